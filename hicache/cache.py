@@ -1,0 +1,605 @@
+"""The cache orchestrator: one radix tree over L1 / L2 / L3, pools, transfers, write policies, metrics.
+
+A request's life (see README "One request")::
+
+    req = cache.match(tokens)          # hit lengths per tier; locks the L1 prefix, pins the L2 run
+    cache.prefetch(req)                # optional: start L3 -> L2 for the L3 run (if worth it)
+    load = cache.load_back(req)        # L2 (+ prefetched L3) -> L1, layer by layer; load.wait_layer(i)
+    pages = cache.alloc(req, n)        # L1 pages for the new tokens (evicts under pressure)
+    cache.commit(req, tokens, pages)   # insert; back up per write policy; L2 -> L3 in background
+    cache.release(req)                 # unlock / unpin; frees anything the request still owns
+
+Threading model:
+
+* Every public method may be called from any thread; the tree, both allocators' bookkeeping and every
+  request's state are protected by one re-entrant lock, ``self._lock`` (the *tree lock*). Calls hold it
+  only for bookkeeping -- never across a page copy or an L3 round trip.
+* Background work: the transfer engine's worker/streams copy pages; the prefetcher's threads read L3
+  into host pages a :class:`PrefetchTask` owns; one writeback thread writes L2 pages (pinned in the tree
+  until written) to L3. Their completions are folded in under the tree lock (``_reap``).
+* A :class:`Request` is used by one caller at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from hicache.config import HiCacheConfig
+from hicache.keys import Namespace, page_keys_from_bytes, tokens_to_bytes
+from hicache.metrics import Metrics
+from hicache.pool import DevicePool, HostPool
+from hicache.radix import EMPTY, RadixTree, TreeNode
+from hicache.storage.base import StorageBackend, StorageContext, create_backend
+from hicache.storage.prefetch import Prefetcher, PrefetchTask
+from hicache.storage.writeback import FlushReport, Writeback
+from hicache.transfer import TransferHandle, create_engine
+
+SELECTIVE_THRESHOLD = 2  # write_through_selective backs a node up at its second hit
+
+
+class CacheFullError(RuntimeError):
+    """Not enough free or evictable pages (everything is locked by requests in flight)."""
+
+
+@dataclass
+class Request:
+    """State of one request between match and release (returned by :meth:`HiCache.match`)."""
+
+    ns: Namespace
+    token_bytes: bytes  # tokens of the full pages, uint32 LE
+    keys: list[bytes]  # page key of every full page
+    l1_pages: int  # pages hit on L1 (already loaded, locked)
+    l2_pages: int  # pages continuing it on L2
+    l3_pages: int  # pages continuing that on L3 (0 without a store)
+    device_indices: np.ndarray  # L1 pages of the usable prefix, in order (grows after load_back)
+    lock_node: TreeNode | None = None
+    pinned: list[TreeNode] = field(default_factory=list)
+    host_nodes: list[TreeNode] = field(default_factory=list)
+    pending: list[Any] = field(default_factory=list)  # loads the L1 prefix still depends on
+    owned_device: list[np.ndarray] = field(default_factory=list)  # allocated, not committed yet
+    prefetch: PrefetchTask | None = None
+    released: bool = False
+
+    @property
+    def page_size(self) -> int:
+        return self.ns.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+    @property
+    def hit_pages(self) -> int:
+        return self.l1_pages + self.l2_pages + self.l3_pages
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose KV is on L1 now (after load_back: including the loaded L2/L3 run)."""
+        return len(self.device_indices) * self.page_size
+
+
+class LoadResult(NamedTuple):
+    handle: TransferHandle | None  # per-layer readiness of the pages loaded now (None: nothing to load)
+    device_indices: np.ndarray  # L1 pages of the whole usable prefix, in order
+    l2_pages: int  # pages loaded from L2
+    l3_pages: int  # of which came from L3 through prefetch
+
+    def wait_layer(self, layer: int) -> None:
+        if self.handle is not None:
+            self.handle.wait_layer(layer)
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+
+
+class CommitResult(NamedTuple):
+    new_pages: int  # pages newly cached on L1
+    reused_pages: int  # pages the tree already had (the caller's copies were freed)
+    backed_up_pages: int  # pages whose L2 backup started now
+
+
+class HiCache:
+    """Three-tier KV cache for one model shard (one KV layout, any number of tenants)."""
+
+    def __init__(self, config: HiCacheConfig, storage: StorageBackend | None = None,
+                 metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.layout = config.layout.to_layout()
+        self.page_size = self.layout.page_size
+        self.ns = config.namespace()
+        c = config.cache
+        self.device_pool = DevicePool(self.layout, config.l1_pages, c.device)
+        self.host_pool = HostPool(self.layout, max(config.l2_pages, 1), c.host_layout)  # type: ignore[arg-type]
+        self.has_l2 = config.l2_pages > 0
+        io = c.io_backend
+        if io in ("kernel", "copy_engine"):
+            self.transfer = create_engine("cuda", self.device_pool, self.host_pool, io_backend=io)
+        else:
+            self.transfer = create_engine("auto" if io == "auto" else "cpu", self.device_pool, self.host_pool)
+        self.tree = RadixTree(self.page_size, c.eviction_policy)
+        self.metrics = metrics or Metrics()
+        self.write_policy = c.write_policy
+        self._lock = threading.RLock()
+        self._backups: list[tuple[TransferHandle, TreeNode]] = []  # L1 -> L2 copies in flight
+        self._l3_writing = 0  # pages pinned for L3 writeback
+        s = config.storage
+        if storage is None and s.url:
+            ctx = StorageContext(self.ns.digest, self.layout, self.ns.model, self.ns.tp_rank,
+                                 self.ns.tp_size, c.host_layout)
+            storage = create_backend(s.url, ctx, **s.options)
+        self.storage = storage
+        self.prefetcher = Prefetcher() if storage is not None else None
+        self.writeback = (Writeback(storage, self.host_pool, s.writeback_queue_pages, s.io_batch_pages,
+                                    s.writeback_when_full) if storage is not None and self.has_l2 else None)
+        self._prefetch_inflight_bytes = 0
+        m = self.metrics
+        m.pool_total.labels("l1").set(self.device_pool.num_pages)
+        m.pool_total.labels("l2").set(config.l2_pages)
+        self._update_gauges()
+
+    # ------------------------------------------------------------------ helpers
+    def namespace(self, tenant: str | None = None) -> Namespace:
+        return self.ns if tenant is None else self.ns.with_tenant(tenant)
+
+    def _check_ns(self, ns: Namespace) -> None:
+        if ns.layout != self.layout:
+            raise ValueError(f"namespace layout {ns.layout.describe()} does not match the pool's "
+                             f"{self.layout.describe()}")
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.pool_used.labels("l1").set(self.device_pool.allocator.used_pages)
+        m.pool_used.labels("l2").set(self.host_pool.allocator.used_pages if self.has_l2 else 0)
+        if self.writeback is not None:
+            m.writeback_queue.set(self.writeback.queued_pages)
+
+    def _reap(self, wait: bool = False) -> None:
+        """Fold in finished L1 -> L2 backups: unlock the node, then hand its pages to L3 writeback."""
+        still: list[tuple[TransferHandle, TreeNode]] = []
+        for handle, node in self._backups:
+            if wait:
+                handle.wait()
+            if handle.done():
+                self.tree.unlock(node)
+                self.tree.unpin_host([node])
+                self._write_l3(node)
+            else:
+                still.append((handle, node))
+        self._backups = still
+
+    def _write_l3(self, node: TreeNode) -> None:
+        if self.writeback is None or node.host is None:
+            return
+        self.tree.pin_host([node])
+        n = node.n_pages
+
+        def done(written: int) -> None:
+            with self._lock:
+                self.tree.unpin_host([node])
+                self._l3_writing -= n
+                self.metrics.backup_tokens.labels("l3").inc(written * self.page_size)
+
+        self._l3_writing += n
+        if not self.writeback.submit(node.page_keys, node.host.copy(), done):
+            self.tree.unpin_host([node])
+            self._l3_writing -= n
+            self.metrics.writeback_dropped_pages.inc(n)
+
+    def _alloc_device(self, n: int) -> np.ndarray:
+        pages = self.device_pool.allocator.alloc(n)
+        if pages is None:
+            self._reap()
+            self._evict_device(n - self.device_pool.allocator.free_pages)
+            pages = self.device_pool.allocator.alloc(n)
+        if pages is None and self._backups:
+            self._reap(wait=True)
+            self._evict_device(n - self.device_pool.allocator.free_pages)
+            pages = self.device_pool.allocator.alloc(n)
+        if pages is None:
+            raise CacheFullError(f"L1: need {n} pages, {self.device_pool.allocator.free_pages} free, "
+                                 f"{self.tree.locked_device_pages} locked by requests in flight")
+        return pages
+
+    def _alloc_host(self, n: int) -> np.ndarray | None:
+        if not self.has_l2:
+            return None
+        pages = self.host_pool.allocator.alloc(n)
+        if pages is None:
+            self._evict_host(n - self.host_pool.allocator.free_pages)
+            pages = self.host_pool.allocator.alloc(n)
+        return pages
+
+    def _evict_device(self, n: int) -> int:
+        freed = self.tree.evict_device(n, self._backup_on_evict)
+        total = sum(len(f) for f in freed)
+        for f in freed:
+            self.device_pool.allocator.free(f)
+        self.metrics.evicted_tokens.labels("l1").inc(total * self.page_size)
+        return total
+
+    def _evict_host(self, n: int) -> int:
+        freed = self.tree.evict_host(n)
+        total = sum(len(f) for f in freed)
+        for f in freed:
+            self.host_pool.allocator.free(f)
+        self.metrics.evicted_tokens.labels("l2").inc(total * self.page_size)
+        return total
+
+    def _backup_on_evict(self, node: TreeNode) -> bool:
+        """Eviction hook: under write_back (or when L2-only children hang below) back up synchronously."""
+        if self.write_policy != "write_back" and not node.children:
+            return False
+        return self._backup(node, wait=True)
+
+    def _backup(self, node: TreeNode, wait: bool) -> bool:
+        if node.host is not None or node.device is None or not self.has_l2:
+            return False
+        host = self._alloc_host(node.n_pages)
+        if host is None:
+            return False
+        handle = self.transfer.backup(node.device, host)
+        self.tree.set_host(node, host)
+        self.metrics.backup_tokens.labels("l2").inc(node.n_pages * self.page_size)
+        if wait:
+            handle.wait()
+            self._write_l3(node)
+        else:
+            self.tree.lock(node)  # device pages stay until the copy is done
+            self.tree.pin_host([node])
+            self._backups.append((handle, node))
+        return True
+
+    # ------------------------------------------------------------------ request API
+    def match(self, tokens: Sequence[int] | np.ndarray, ns: Namespace | None = None, *,
+              l3: bool = True) -> Request:
+        """Longest cached prefix of ``tokens``: pages on L1, continued on L2, continued on L3.
+
+        Locks the L1 prefix and pins the L2 run until :meth:`release`. ``l3=False`` skips the store.
+        Only full pages are matched; a trailing partial page is never cached.
+        """
+        t0 = time.perf_counter()
+        ns = ns or self.ns
+        self._check_ns(ns)
+        tb = tokens_to_bytes(tokens)
+        tb = tb[: len(tb) - len(tb) % (self.page_size * 4)]
+        keys = page_keys_from_bytes(ns.digest, tb, self.page_size)
+        with self._lock:
+            self._reap()
+            m = self.tree.match(ns.digest, tb)
+            self.tree.lock(m.l1_node)
+            self.tree.pin_host(m.host_nodes)
+            if self.write_policy == "write_through_selective":
+                node = m.l1_node
+                while node is not None and node.parent is not None:
+                    if node.host is None and node.hit_count >= SELECTIVE_THRESHOLD:
+                        self._backup(node, wait=False)
+                    node = node.parent
+            self._update_gauges()
+        req = Request(ns, tb, keys, m.l1_pages, m.l2_pages, 0, m.device_indices, m.l1_node,
+                      list(m.host_nodes), list(m.host_nodes), list(m.pending))
+        done = req.l1_pages + req.l2_pages
+        if l3 and self.storage is not None and done < len(keys):
+            req.l3_pages = self.storage.batch_exists(keys[done:])
+        mt = self.metrics
+        mt.lookups.inc()
+        mt.lookup_tokens.inc(len(keys) * self.page_size)
+        mt.hit_tokens.labels("l1").inc(req.l1_pages * self.page_size)
+        mt.hit_tokens.labels("l2").inc(req.l2_pages * self.page_size)
+        mt.hit_tokens.labels("l3").inc(req.l3_pages * self.page_size)
+        mt.match_seconds.observe(time.perf_counter() - t0)
+        return req
+
+    def prefetch(self, req: Request) -> int:
+        """Start L3 -> L2 for the request's L3 run when it is worth it; returns pages being fetched."""
+        s = self.config.storage
+        n = req.l3_pages
+        if (self.storage is None or self.prefetcher is None or req.prefetch is not None or n == 0
+                or n * self.page_size < s.prefetch_threshold_tokens or not self.has_l2):
+            return 0
+        nbytes = n * self.layout.bytes_per_page
+        with self._lock:
+            if self._prefetch_inflight_bytes + nbytes > s.prefetch_max_inflight_bytes:
+                self.metrics.prefetch_aborted.inc()
+                return 0
+            host = self._alloc_host(n)
+            if host is None:
+                self.metrics.prefetch_aborted.inc()
+                return 0
+            self._prefetch_inflight_bytes += nbytes
+            self.metrics.prefetch_inflight_bytes.set(self._prefetch_inflight_bytes)
+        start = req.l1_pages + req.l2_pages
+        req.prefetch = self.prefetcher.submit(PrefetchTask(
+            self.storage, req.keys[start:start + n], self.host_pool, host, s.io_batch_pages, self._free_host_locked))
+        return n
+
+    def _free_host_locked(self, pages: np.ndarray) -> None:
+        with self._lock:
+            self.host_pool.allocator.free(pages)
+
+    def _finish_prefetch(self, req: Request) -> int:
+        task = req.prefetch
+        if task is None:
+            return 0
+        s = self.config.storage
+        wait: float | None
+        if s.prefetch_policy == "best_effort":
+            wait = 0.0
+        elif s.prefetch_policy == "wait_complete":
+            wait = None
+        else:
+            wait = s.prefetch_timeout(task.num_pages * self.page_size)
+        n = task.finish(wait)
+        with self._lock:
+            self._prefetch_inflight_bytes -= task.num_pages * self.layout.bytes_per_page
+            self.metrics.prefetch_inflight_bytes.set(self._prefetch_inflight_bytes)
+            if n < task.num_pages:
+                self.metrics.prefetch_aborted.inc()
+            if n == 0:
+                req.prefetch = None
+                return 0
+            start = req.l1_pages + req.l2_pages
+            end = start + n
+            res = self.tree.insert(req.ns.digest, req.token_bytes[: end * self.page_size * 4], req.keys[:end],
+                                   host=task.host_pages[:n], start_page=start)
+            if res is None:  # the prefix it hangs from was evicted meanwhile
+                self.host_pool.allocator.free(task.host_pages[:n])
+                req.prefetch = None
+                return 0
+            dup = task.host_pages[:n][res.reused[start:end]]
+            if len(dup):
+                self.host_pool.allocator.free(dup)
+            self.metrics.prefetch_tokens.inc(n * self.page_size)
+            req.prefetch = None
+            return n
+
+    def load_back(self, req: Request) -> LoadResult:
+        """Bring the L2 run (and whatever L3 prefetch landed, per policy) onto L1.
+
+        Returns the L1 pages of the whole usable prefix and a handle with per-layer readiness; compute
+        for layer i may start after ``wait_layer(i)``.
+        """
+        t0 = time.perf_counter()
+        self._check_open(req)
+        l3_done = self._finish_prefetch(req)
+        with self._lock:
+            # Re-match: the tree may have changed (prefetched pages inserted, other commits).
+            m = self.tree.match(req.ns.digest, req.token_bytes, touch=False)
+            if len(m.device_indices) < len(req.device_indices):  # cannot happen: our prefix is locked
+                raise AssertionError("locked L1 prefix shrank")
+            nodes = m.host_nodes
+            n = sum(x.n_pages for x in nodes)
+            handle = None
+            if n:
+                self.tree.lock(m.l1_node)  # keep the prefix while we allocate (may evict)
+                self.tree.pin_host(nodes)
+                try:
+                    dev = self._alloc_device(n)
+                finally:
+                    self.tree.unpin_host(nodes)
+                    self.tree.unlock(m.l1_node)
+                host = np.concatenate([x.host for x in nodes if x.host is not None])
+                handle = self.transfer.load(host, dev)
+                off = 0
+                for x in nodes:
+                    self.tree.set_device(x, dev[off: off + x.n_pages], handle)
+                    off += x.n_pages
+                self.metrics.loadback_tokens.inc(n * self.page_size)
+                self.metrics.loadback_bytes.inc(n * self.layout.bytes_per_page)
+                new_lock: TreeNode | None = nodes[-1]
+                dev_all = np.concatenate([m.device_indices, dev])
+            else:
+                new_lock = m.l1_node
+                dev_all = m.device_indices
+            self.tree.lock(new_lock)
+            self.tree.unlock(req.lock_node)
+            self.tree.unpin_host(req.pinned)
+            req.pinned = []
+            req.lock_node = new_lock
+            req.device_indices = dev_all
+            self._update_gauges()
+        pending = [p for p in req.pending if not p.done()]
+        if handle is not None:
+            pending.append(handle)
+        req.pending = pending
+        result = LoadResult(_MultiHandle(pending) if pending else None, dev_all, n, l3_done)
+        self.metrics.loadback_seconds.inc(time.perf_counter() - t0)
+        return result
+
+    def alloc(self, req: Request, n_pages: int) -> np.ndarray:
+        """L1 pages for ``n_pages`` new pages of this request; evicts under pressure.
+
+        Raises :class:`CacheFullError` when everything evictable is locked.
+        """
+        self._check_open(req)
+        with self._lock:
+            pages = self._alloc_device(n_pages)
+            req.owned_device.append(pages)
+            self._update_gauges()
+            return pages
+
+    def commit(self, req: Request, tokens: Sequence[int] | np.ndarray, device_pages: np.ndarray) -> CommitResult:
+        """Insert the request's pages: ``tokens`` is the whole sequence (prefix included) and
+        ``device_pages`` the L1 pages of every full page of it, in order (the prefix's pages from
+        ``req.device_indices`` followed by pages from :meth:`alloc`).
+
+        The request's lock moves to the end of the inserted run. Pages the tree already held are freed
+        if the request owned them. Write policy: write_through backs the new pages up to L2 now.
+        """
+        self._check_open(req)
+        self._check_ns(req.ns)
+        tb = tokens_to_bytes(tokens)
+        tb = tb[: len(tb) - len(tb) % (self.page_size * 4)]
+        dev = np.asarray(device_pages, dtype=np.int64)
+        n = len(tb) // (self.page_size * 4)
+        if len(dev) != n:
+            raise ValueError(f"commit: {n} full pages of tokens but {len(dev)} device pages")
+        if tb[: len(req.token_bytes)] != req.token_bytes[: len(tb)]:
+            raise ValueError("commit: tokens do not extend the matched request")
+        known = len(req.keys)
+        keys = req.keys[:n] if n <= known else req.keys + page_keys_from_bytes(
+            req.ns.digest, tb, self.page_size, req.keys[-1] if req.keys else None, known)
+        with self._lock:
+            owned = np.concatenate(req.owned_device) if req.owned_device else EMPTY
+            prefix = len(req.device_indices)
+            if prefix > n or not np.array_equal(dev[:prefix], req.device_indices[:prefix]):
+                raise ValueError("commit: device pages must start with the request's matched prefix pages")
+            new = dev[prefix:]
+            if not np.isin(new, owned).all():
+                raise ValueError("commit: device pages not allocated to this request")
+            res = self.tree.insert(req.ns.digest, tb, keys, device=dev)
+            assert res is not None
+            dup = new[res.reused[prefix:]]
+            consumed = new
+            if len(dup):
+                self.device_pool.allocator.free(dup)
+            remaining = owned[~np.isin(owned, consumed)]
+            req.owned_device = [remaining] if len(remaining) else []
+            self.tree.lock(res.node)
+            self.tree.unlock(req.lock_node)
+            req.lock_node = res.node
+            req.token_bytes = tb
+            req.keys = keys
+            req.device_indices = self._path_device(res.node)
+            backed = 0
+            if self.write_policy == "write_through":
+                node: TreeNode | None = res.node
+                while node is not None and node.parent is not None and node.host is None:
+                    if self._backup(node, wait=False):
+                        backed += node.n_pages
+                    node = node.parent
+            self._update_gauges()
+        self.metrics.backup_tokens  # noqa: B018 (counted in _backup)
+        return CommitResult(res.new_pages, int(res.reused[prefix:].sum()), backed)
+
+    def _path_device(self, node: TreeNode) -> np.ndarray:
+        parts = []
+        x: TreeNode | None = node
+        while x is not None and x.parent is not None:
+            assert x.device is not None
+            parts.append(x.device)
+            x = x.parent
+        return np.concatenate(parts[::-1]) if parts else EMPTY
+
+    def release(self, req: Request) -> None:
+        """End the request: unlock, unpin, cancel its prefetch, free pages it still owns. Idempotent
+        calls are errors: a second release raises ``ValueError``."""
+        if req.released:
+            raise ValueError("release: request already released")
+        if req.prefetch is not None:
+            req.prefetch.cancel()
+            with self._lock:
+                self._prefetch_inflight_bytes -= req.prefetch.num_pages * self.layout.bytes_per_page
+            req.prefetch = None
+        with self._lock:
+            self.tree.unlock(req.lock_node)
+            self.tree.unpin_host(req.pinned)
+            for pages in req.owned_device:
+                self.device_pool.allocator.free(pages)
+            req.owned_device, req.pinned, req.lock_node = [], [], None
+            req.released = True
+            self._update_gauges()
+
+    def _check_open(self, req: Request) -> None:
+        if req.released:
+            raise ValueError("request already released")
+
+    # ------------------------------------------------------------------ maintenance
+    def evict(self, l1_pages: int = 0, l2_pages: int = 0) -> tuple[int, int]:
+        """Evict explicitly (tests, admin); returns pages freed per tier."""
+        with self._lock:
+            self._reap(wait=True)
+            a = self._evict_device(l1_pages) if l1_pages else 0
+            b = self._evict_host(l2_pages) if l2_pages else 0
+            self._update_gauges()
+            return a, b
+
+    def flush(self, timeout_s: float | None = None) -> FlushReport | None:
+        """Wait for in-flight backups and L3 writebacks; report what could not be written."""
+        with self._lock:
+            self._reap(wait=True)
+        return self.writeback.flush(timeout_s) if self.writeback is not None else None
+
+    def check_integrity(self, requests: Sequence[Request] = ()) -> None:
+        """free + cached + in flight == capacity on both pools, and the tree's invariants hold.
+
+        ``requests``: live requests, whose owned pages count as in flight.
+        """
+        with self._lock:
+            self.tree.check_invariants()
+            self.device_pool.allocator.check_integrity()
+            self.host_pool.allocator.check_integrity()
+            cached = self.tree.all_device_pages()
+            owned = [p for r in requests for p in r.owned_device]
+            inflight = np.concatenate(owned) if owned else EMPTY
+            held = np.concatenate([cached, inflight])
+            assert len(np.unique(held)) == len(held), "an L1 page is held twice"
+            alloc = self.device_pool.allocator.allocated()
+            assert np.array_equal(np.sort(held), alloc), (
+                f"L1: {len(held)} cached+in flight vs {len(alloc)} allocated")
+            host_cached = self.tree.all_host_pages()
+            assert len(np.unique(host_cached)) == len(host_cached), "an L2 page is held twice"
+            prefetching = [r.prefetch.host_pages for r in requests if r.prefetch is not None]
+            host_held = np.concatenate([host_cached, *prefetching]) if prefetching else host_cached
+            host_alloc = self.host_pool.allocator.allocated()
+            if self.has_l2:
+                assert np.array_equal(np.sort(host_held), host_alloc), (
+                    f"L2: {len(host_held)} cached+in flight vs {len(host_alloc)} allocated")
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "l1_pages_total": self.device_pool.num_pages,
+                "l1_pages_used": self.device_pool.allocator.used_pages,
+                "l1_pages_cached": self.tree.device_pages,
+                "l2_pages_total": self.config.l2_pages,
+                "l2_pages_used": self.host_pool.allocator.used_pages if self.has_l2 else 0,
+                "l2_pages_cached": self.tree.host_pages,
+                "l1_pages_locked": self.tree.locked_device_pages,
+                "writeback_queue_pages": self.writeback.queued_pages if self.writeback else 0,
+                "storage": self.storage.stats() if self.storage else None,
+            }
+
+    def close(self) -> FlushReport | None:
+        report = self.flush(timeout_s=self.config.serve.shutdown_grace_s)
+        if self.writeback is not None:
+            self.writeback.close()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        self.transfer.close()
+        if self.storage is not None:
+            self.storage.close()
+        self.host_pool.release()
+        return report
+
+    def __enter__(self) -> HiCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _MultiHandle(TransferHandle):
+    """Readiness of several loads the prefix depends on (earlier loads by other requests + ours)."""
+
+    def __init__(self, handles: list[TransferHandle]) -> None:
+        self._handles = handles
+        self.num_layers = handles[0].num_layers
+        self.num_pages = sum(h.num_pages for h in handles)
+
+    def wait_layer(self, layer: int) -> None:
+        for h in self._handles:
+            h.wait_layer(layer)
+
+    def wait(self) -> None:
+        for h in self._handles:
+            h.wait()
+
+    def done(self) -> bool:
+        return all(h.done() for h in self._handles)

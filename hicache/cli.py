@@ -1,0 +1,69 @@
+"""``hicache`` command line: one entry point, one module per subcommand.
+
+Each subcommand lives in its own module exposing ``add_parser(subparsers)`` and ``run(args) -> int``;
+they are imported lazily so ``hicache bench`` does not load gRPC and ``hicache serve`` does not load
+matplotlib. Errors a user can fix end with exit code 2 and one line on stderr saying what and where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from hicache import __version__
+from hicache.config import ConfigError
+
+# subcommand -> module providing add_parser(subparsers) and run(args)
+SUBCOMMANDS: dict[str, str] = {
+    "bench": "hicache.bench.cli",
+    "doctor": "hicache.bench.doctor_cli",
+    "serve": "hicache.service.cli",
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hicache",
+        description="Three-tier KV cache for LLM serving: GPU radix cache (L1), pinned host memory (L2), "
+        "a shared store (L3: Redis or files); a gRPC node service; a hit-rate benchmark.",
+    )
+    parser.add_argument("--version", action="version", version=f"hicache {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=f"(run 'hicache {name} --help')", add_help=False)
+            continue
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:  # pragma: no cover - a subcommand whose extra is not installed
+            sub.add_parser(name, help=f"unavailable: {e}")
+            continue
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(first if first in SUBCOMMANDS else None)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    module = importlib.import_module(SUBCOMMANDS[args.command])
+    try:
+        return int(module.run(args) or 0)
+    except ConfigError as e:
+        print(f"hicache {args.command}: config: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        print(f"hicache {args.command}: {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""One typed configuration: dataclasses that validate themselves.
+
+Load it with :func:`load_config` from YAML (sections ``model``, ``layout``, ``cache``, ``storage``,
+``serve``), then environment overrides ``HICACHE_<SECTION>__<FIELD>`` (for example
+``HICACHE_CACHE__WRITE_POLICY=write_back``), then explicit overrides (CLI flags). Every bad value raises
+:class:`ConfigError` naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hicache.eviction import policy_names
+from hicache.keys import Namespace
+from hicache.layout import DTYPES, KVLayout
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+IO_BACKENDS = ("auto", "cpu", "kernel", "copy_engine")
+ENV_PREFIX = "HICACHE_"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _require(cond: bool, fieldname: str, allowed: str, value: Any) -> None:
+    if not cond:
+        raise ConfigError(f"{fieldname}: must be {allowed}, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "default"  # model id; part of every page key's namespace
+    revision: str = "main"  # weights revision: different weights never share pages
+    tenant: str = ""  # default tenant salt (requests may carry their own)
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name), "model.name", "a non-empty string", self.name)
+        _require(self.tp_size >= 1, "model.tp_size", ">= 1", self.tp_size)
+        _require(0 <= self.tp_rank < self.tp_size, "model.tp_rank", f"in [0, {self.tp_size})", self.tp_rank)
+
+
+@dataclass
+class LayoutConfig:
+    num_layers: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    page_size: int = 64
+    attention: str = "mha"
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+            v = getattr(self, f)
+            _require(isinstance(v, int) and v >= 1, f"layout.{f}", "an integer >= 1", v)
+        _require(self.dtype in DTYPES, "layout.dtype", f"one of {sorted(DTYPES)}", self.dtype)
+        _require(self.attention in ("mha", "mla"), "layout.attention", "'mha' or 'mla'", self.attention)
+        _require(self.attention != "mla" or self.num_kv_heads == 1, "layout.num_kv_heads", "1 for MLA",
+                 self.num_kv_heads)
+
+    def to_layout(self) -> KVLayout:
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.page_size,
+                        self.attention)  # type: ignore[arg-type]
+
+
+@dataclass
+class CacheConfig:
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
+    l1_tokens: int = 65536  # L1 (device) capacity in tokens, rounded down to whole pages
+    l2_tokens: int = 262144  # L2 (host) capacity in tokens; 0 disables L2
+    host_layout: str = "page_first"
+    write_policy: str = "write_through_selective"
+    eviction_policy: str = "lru"
+    io_backend: str = "auto"  # auto | cpu | kernel | copy_engine
+
+    def __post_init__(self) -> None:
+        _require(self.l1_tokens >= 1, "cache.l1_tokens", ">= 1", self.l1_tokens)
+        _require(self.l2_tokens >= 0, "cache.l2_tokens", ">= 0", self.l2_tokens)
+        _require(self.host_layout in ("page_first", "layer_first"), "cache.host_layout",
+                 "'page_first' or 'layer_first'", self.host_layout)
+        _require(self.write_policy in WRITE_POLICIES, "cache.write_policy", f"one of {WRITE_POLICIES}",
+                 self.write_policy)
+        names = policy_names()
+        _require(self.eviction_policy in names, "cache.eviction_policy", f"one of {names}", self.eviction_policy)
+        _require(self.io_backend in IO_BACKENDS, "cache.io_backend", f"one of {IO_BACKENDS}", self.io_backend)
+        _require(self.device == "cpu" or self.device.startswith("cuda"), "cache.device",
+                 "'cpu' or 'cuda[:N]'", self.device)
+
+
+@dataclass
+class StorageConfig:
+    url: str = ""  # "" disables L3; memory://, redis://..., redis+cluster://..., file:///path, s3://...
+    prefetch_policy: str = "timeout"
+    prefetch_threshold_tokens: int = 256  # prefetch only L3 runs at least this long
+    prefetch_timeout_base_s: float = 2.0
+    prefetch_timeout_per_1k_tokens_s: float = 0.1
+    prefetch_timeout_max_s: float = 30.0
+    prefetch_max_inflight_bytes: int = 4 << 30
+    io_batch_pages: int = 128  # L3 get/set batch size
+    writeback_queue_pages: int = 16384
+    writeback_when_full: str = "block"  # block | drop (dropped pages are counted)
+    options: dict[str, Any] = field(default_factory=dict)  # backend-specific (timeouts, TTL, prefix...)
+
+    def __post_init__(self) -> None:
+        _require(self.prefetch_policy in PREFETCH_POLICIES, "storage.prefetch_policy",
+                 f"one of {PREFETCH_POLICIES}", self.prefetch_policy)
+        _require(self.prefetch_threshold_tokens >= 0, "storage.prefetch_threshold_tokens", ">= 0",
+                 self.prefetch_threshold_tokens)
+        for f in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s", "prefetch_timeout_max_s"):
+            _require(getattr(self, f) >= 0, f"storage.{f}", ">= 0", getattr(self, f))
+        _require(self.prefetch_max_inflight_bytes > 0, "storage.prefetch_max_inflight_bytes", "> 0",
+                 self.prefetch_max_inflight_bytes)
+        _require(self.io_batch_pages >= 1, "storage.io_batch_pages", ">= 1", self.io_batch_pages)
+        _require(self.writeback_queue_pages >= 1, "storage.writeback_queue_pages", ">= 1",
+                 self.writeback_queue_pages)
+        _require(self.writeback_when_full in ("block", "drop"), "storage.writeback_when_full",
+                 "'block' or 'drop'", self.writeback_when_full)
+
+    def prefetch_timeout(self, tokens: int) -> float:
+        """Seconds the ``timeout`` policy waits for a prefetch of ``tokens`` tokens."""
+        t = self.prefetch_timeout_base_s + self.prefetch_timeout_per_1k_tokens_s * tokens / 1000.0
+        return min(t, self.prefetch_timeout_max_s)
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9400  # 0 disables the /metrics HTTP endpoint
+    max_concurrency: int = 256  # RPCs in flight beyond this get RESOURCE_EXHAUSTED
+    max_message_bytes: int = 64 << 20
+    max_request_tokens: int = 1 << 20
+    auth_token: str = ""  # bearer token; "" disables auth
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""  # set for mTLS
+    shutdown_grace_s: float = 30.0
+    shared_pool: bool = True  # share the L1 pool with clients on this host (shm on CPU, CUDA IPC on GPU)
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port < 65536, "serve.port", "in [0, 65535]", self.port)
+        _require(0 <= self.metrics_port < 65536, "serve.metrics_port", "in [0, 65535]", self.metrics_port)
+        _require(self.max_concurrency >= 1, "serve.max_concurrency", ">= 1", self.max_concurrency)
+        _require(self.max_message_bytes >= 1 << 20, "serve.max_message_bytes", ">= 1 MiB", self.max_message_bytes)
+        _require(self.max_request_tokens >= 1, "serve.max_request_tokens", ">= 1", self.max_request_tokens)
+        _require(bool(self.tls_cert) == bool(self.tls_key), "serve.tls_key", "set together with serve.tls_cert",
+                 self.tls_key)
+
+
+@dataclass
+class HiCacheConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.cache.l1_tokens >= self.layout.page_size, "cache.l1_tokens",
+                 f">= layout.page_size ({self.layout.page_size})", self.cache.l1_tokens)
+
+    @property
+    def l1_pages(self) -> int:
+        return self.cache.l1_tokens // self.layout.page_size
+
+    @property
+    def l2_pages(self) -> int:
+        return self.cache.l2_tokens // self.layout.page_size
+
+    def namespace(self, tenant: str | None = None) -> Namespace:
+        m = self.model
+        return Namespace(m.name, self.layout.to_layout(), m.revision, m.tp_rank, m.tp_size,
+                         m.tenant if tenant is None else tenant)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "layout": LayoutConfig,
+    "cache": CacheConfig,
+    "storage": StorageConfig,
+    "serve": ServeConfig,
+}
+
+
+def _coerce(section: str, name: str, tp: Any, value: Any) -> Any:
+    """Convert YAML / env text to the field's type, or raise ConfigError naming the field."""
+    where = f"{section}.{name}"
+    origin = typing.get_origin(tp)
+    if origin in (dict, Mapping) or tp is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        _require(isinstance(value, dict), where, "a mapping", value)
+        return dict(value)
+    if isinstance(origin, type) and issubclass(origin, types.UnionType):  # pragma: no cover
+        return value
+    if tp is bool:
+        if isinstance(value, str):
+            low = value.strip().lower()
+            _require(low in ("1", "0", "true", "false", "yes", "no", "on", "off"), where, "a boolean", value)
+            return low in ("1", "true", "yes", "on")
+        _require(isinstance(value, bool), where, "a boolean", value)
+        return value
+    if tp is int:
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""), 0)
+            except ValueError:
+                raise ConfigError(f"{where}: must be an integer, got {value!r}") from None
+        _require(isinstance(value, int) and not isinstance(value, bool), where, "an integer", value)
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(f"{where}: must be a number, got {value!r}") from None
+        _require(isinstance(value, int | float) and not isinstance(value, bool), where, "a number", value)
+        return float(value)
+    if tp is str:
+        _require(isinstance(value, str), where, "a string", value)
+        return value
+    return value
+
+
+def _build_section(section: str, values: Mapping[str, Any]) -> Any:
+    cls = _SECTIONS[section]
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in values.items():
+        if name not in known:
+            raise ConfigError(f"{section}.{name}: unknown field; known: {sorted(known)}")
+        kwargs[name] = _coerce(section, name, hints[name], value)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{section}: {e}") from e
+
+
+def config_from_dict(data: Mapping[str, Any]) -> HiCacheConfig:
+    for section in data:
+        if section not in _SECTIONS:
+            raise ConfigError(f"{section}: unknown section; known: {sorted(_SECTIONS)}")
+    sections = {}
+    for s in _SECTIONS:
+        raw = data.get(s) or {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{s}: must be a mapping, got {type(raw).__name__}")
+        sections[s] = _build_section(s, raw)
+    return HiCacheConfig(**sections)
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """``HICACHE_CACHE__L1_TOKENS=4096`` -> ``{"cache": {"l1_tokens": "4096"}}``."""
+    out: dict[str, dict[str, str]] = {}
+    for k, v in env.items():
+        if not k.startswith(ENV_PREFIX) or "__" not in k:
+            continue
+        section, _, name = k[len(ENV_PREFIX):].partition("__")
+        out.setdefault(section.lower(), {})[name.lower()] = v
+    return out
+
+
+def merge(base: Mapping[str, Any], *overlays: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: dict(v or {}) for k, v in base.items()}
+    for ov in overlays:
+        for section, values in ov.items():
+            out.setdefault(section, {}).update(values)
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> HiCacheConfig:
+    """YAML file (optional) < environment ``HICACHE_<SECTION>__<FIELD>`` < explicit ``overrides``."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML ({e})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping of sections")
+        data = loaded
+    env_map = env_overrides(os.environ if env is None else env)
+    return config_from_dict(merge(data, env_map, overrides or {}))

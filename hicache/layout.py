@@ -1,0 +1,99 @@
+"""KV layout: the shape of one page of KV cache, shared by every tier.
+
+A *page* holds the KV of ``page_size`` consecutive tokens for every layer. Two attention kinds:
+
+* MHA / GQA: per layer a K and a V tensor of shape ``[page_size, num_kv_heads, head_dim]``.
+* MLA: per layer one latent tensor of shape ``[page_size, 1, head_dim]`` (``head_dim`` is the
+  latent width, e.g. 576 for DeepSeek-V3), so ``num_kv_heads`` must be 1.
+
+``bytes_per_page`` is derived from the layout; it is what L2 and L3 move per page.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+
+Attention = Literal["mha", "mla"]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the KV cache of one model shard.
+
+    Raises ``ValueError`` naming the field when a value is out of range.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    page_size: int = 16
+    attention: Attention = "mha"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"layout.{name}: must be an integer >= 1, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"layout.dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attention not in ("mha", "mla"):
+            raise ValueError(f"layout.attention: must be 'mha' or 'mla', got {self.attention!r}")
+        if self.attention == "mla" and self.num_kv_heads != 1:
+            raise ValueError(f"layout.num_kv_heads: MLA stores one latent, so it must be 1, got {self.num_kv_heads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def kv_count(self) -> int:
+        """2 for MHA (K and V), 1 for MLA (one latent)."""
+        return 1 if self.attention == "mla" else 2
+
+    @property
+    def page_shape(self) -> tuple[int, int, int]:
+        """Shape of one layer's K (or V, or latent) piece of one page: [page_size, heads, head_dim]."""
+        return (self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_layer_piece(self) -> int:
+        """Bytes of one page's K (or V, or latent) for one layer."""
+        return self.page_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes of one page across every layer, K and V (or the latent)."""
+        return self.bytes_per_layer_piece * self.kv_count * self.num_layers
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_page // self.page_size
+
+    def describe(self) -> str:
+        """Canonical text form; it is hashed into every page key's namespace."""
+        return (
+            f"{self.attention}:L{self.num_layers}:H{self.num_kv_heads}:D{self.head_dim}"
+            f":{self.dtype}:P{self.page_size}"
+        )
+
+    def digest(self) -> bytes:
+        return hashlib.sha256(self.describe().encode()).digest()

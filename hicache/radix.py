@@ -1,0 +1,465 @@
+"""One radix tree over all tiers, keyed by tokens, aligned to pages.
+
+Every non-root node holds a run of whole pages: its tokens (uint32 LE bytes), one page key per page,
+and where those pages live: ``device`` (L1 page indices) and/or ``host`` (L2 page indices).
+
+Invariants (``check_invariants`` verifies them; the property tests call it after every step):
+
+* every non-root node is on L1, L2 or both (a node on neither is removed);
+* L1 is prefix-closed: a node on L1 has its parent on L1 (or is a child of a root);
+* a node with ``lock_ref > 0`` is on L1 and its parent's ``lock_ref`` is at least as large
+  (``lock`` protects the whole path to the root);
+* ``device_pages``/``host_pages`` equal the sums over nodes.
+
+Matching compares tokens, never hashes alone. Eviction order comes from :mod:`hicache.eviction`.
+The tree is *not* thread-safe: the cache serialises every call under its one tree lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from hicache.eviction import get_policy
+
+EMPTY = np.empty(0, dtype=np.int64)
+
+
+class TreeNode:
+    __slots__ = (
+        "children",
+        "device",
+        "hit_count",
+        "host",
+        "host_pin",
+        "key",
+        "last_access",
+        "load_handle",
+        "lock_ref",
+        "page_keys",
+        "parent",
+        "priority",
+    )
+
+    def __init__(self, parent: TreeNode | None, key: bytes, page_keys: list[bytes]) -> None:
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}
+        self.key = key  # tokens of this node's pages, uint32 LE
+        self.page_keys = page_keys  # one chained key per page
+        self.device: np.ndarray | None = None  # L1 page indices (int64), or None
+        self.host: np.ndarray | None = None  # L2 page indices (int64), or None
+        self.lock_ref = 0  # device locks: protects L1 pages of this node and its ancestors
+        self.host_pin = 0  # host pins: protects L2 pages from L2 eviction
+        self.hit_count = 0
+        self.last_access = 0
+        self.priority = 0
+        self.load_handle: Any = None  # pending L2->L1 load writing this node's device pages
+
+    @property
+    def n_pages(self) -> int:
+        return len(self.page_keys)
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(pages={self.n_pages}, l1={self.device is not None}, l2={self.host is not None}, "
+            f"lock={self.lock_ref}, pin={self.host_pin}, hits={self.hit_count})"
+        )
+
+
+class TreeMatch(NamedTuple):
+    node: TreeNode | None  # deepest matched node (L1 or L2); None when nothing matched
+    l1_node: TreeNode | None  # deepest node of the L1 run; None when L1 matched nothing
+    device_indices: np.ndarray  # L1 page indices of the matched L1 prefix, in order
+    host_indices: np.ndarray  # L2 page indices of the pages continuing it on L2, in order
+    host_nodes: list[TreeNode]  # nodes of that L2 continuation, root side first
+    pending: list[Any]  # load handles to wait on before reading the L1 pages
+
+    @property
+    def l1_pages(self) -> int:
+        return len(self.device_indices)
+
+    @property
+    def l2_pages(self) -> int:
+        return len(self.host_indices)
+
+
+class InsertResult(NamedTuple):
+    node: TreeNode  # node ending at the last inserted page
+    reused: np.ndarray  # bool per page: True where the tree already held the page on that tier
+    new_pages: int  # pages now held on that tier that were not before
+
+
+class RadixTree:
+    """Page-aligned radix tree with one root per namespace digest."""
+
+    def __init__(self, page_size: int, policy: str = "lru") -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size: must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.stride = page_size * 4
+        self.roots: dict[bytes, TreeNode] = {}
+        self.policy_name = policy
+        self._policy = get_policy(policy)
+        self._clock = itertools.count(1)
+        self.device_pages = 0  # pages on L1 held by the tree
+        self.host_pages = 0  # pages on L2 held by the tree
+        self.locked_device_pages = 0  # L1 pages of nodes with lock_ref > 0
+
+    # ------------------------------------------------------------------ lookup
+    def _root(self, ns: bytes, create: bool) -> TreeNode | None:
+        root = self.roots.get(ns)
+        if root is None and create:
+            root = TreeNode(None, b"", [])
+            root.lock_ref = 1  # roots are never evicted
+            self.roots[ns] = root
+        return root
+
+    def _diverge_page(self, node_key: bytes, tokens: bytes, pos: int) -> int:
+        """Number of whole pages of ``node_key`` equal to ``tokens[pos:]``."""
+        n = min(len(node_key), len(tokens) - pos) // 4
+        a = np.frombuffer(node_key, dtype="<u4", count=n)
+        b = np.frombuffer(tokens, dtype="<u4", count=n, offset=pos)
+        neq = np.flatnonzero(a != b)
+        same = int(neq[0]) if len(neq) else n
+        return same // self.page_size
+
+    def _split(self, node: TreeNode, pages: int) -> TreeNode:
+        """Split ``node`` after ``pages`` pages; return the new upper node. Arrays are copied, not viewed."""
+        cut = pages * self.stride
+        parent = node.parent
+        assert parent is not None and 0 < pages < node.n_pages
+        upper = TreeNode(parent, node.key[:cut], node.page_keys[:pages])
+        upper.device = None if node.device is None else node.device[:pages].copy()
+        upper.host = None if node.host is None else node.host[:pages].copy()
+        upper.lock_ref, upper.host_pin = node.lock_ref, node.host_pin
+        upper.hit_count, upper.last_access, upper.priority = node.hit_count, node.last_access, node.priority
+        upper.load_handle = node.load_handle
+        node.key = node.key[cut:]
+        node.page_keys = node.page_keys[pages:]
+        node.device = None if node.device is None else node.device[pages:].copy()
+        node.host = None if node.host is None else node.host[pages:].copy()
+        node.parent = upper
+        parent.children[upper.key[: self.stride]] = upper
+        upper.children[node.key[: self.stride]] = node
+        return upper
+
+    def _walk(self, root: TreeNode, tokens: bytes) -> Iterator[TreeNode]:
+        """Yield the nodes fully matching a prefix of ``tokens``, splitting a partial match."""
+        node, pos, end, stride = root, 0, len(tokens) - len(tokens) % self.stride, self.stride
+        while pos < end:
+            child = node.children.get(tokens[pos : pos + stride])
+            if child is None:
+                return
+            klen = len(child.key)
+            if tokens[pos : pos + klen] != child.key:
+                child = self._split(child, self._diverge_page(child.key, tokens, pos))
+                klen = len(child.key)
+            yield child
+            node, pos = child, pos + klen
+
+    def match(self, ns: bytes, tokens: bytes, touch: bool = True) -> TreeMatch:
+        """Longest cached prefix of ``tokens``: the L1 run from the root, then how far L2 continues it.
+
+        ``touch`` updates recency and hit counts on the matched path (a lookup that only peeks passes
+        False). The result's arrays are fresh copies the caller may keep.
+        """
+        root = self.roots.get(ns)
+        if root is None:
+            return TreeMatch(None, None, EMPTY, EMPTY, [], [])
+        dev: list[np.ndarray] = []
+        host: list[np.ndarray] = []
+        host_nodes: list[TreeNode] = []
+        pending: list[Any] = []
+        last = l1 = None
+        now = next(self._clock) if touch else 0
+        for node in self._walk(root, tokens):
+            if node.device is not None and not host_nodes:
+                dev.append(node.device)
+                l1 = node
+                if node.load_handle is not None:
+                    if node.load_handle.done():
+                        node.load_handle = None
+                    else:
+                        pending.append(node.load_handle)
+            elif node.host is not None:
+                host.append(node.host)
+                host_nodes.append(node)
+            else:
+                break
+            last = node
+            if touch:
+                node.last_access = now
+                node.hit_count += 1
+        return TreeMatch(
+            last,
+            l1,
+            np.concatenate(dev) if dev else EMPTY,
+            np.concatenate(host) if host else EMPTY,
+            host_nodes,
+            pending,
+        )
+
+    # ------------------------------------------------------------------ insert
+    def insert(
+        self,
+        ns: bytes,
+        tokens: bytes,
+        page_keys: list[bytes],
+        device: np.ndarray | None = None,
+        host: np.ndarray | None = None,
+        start_page: int = 0,
+    ) -> InsertResult | None:
+        """Insert the full pages of ``tokens`` with their L1 (``device``) *or* L2 (``host``) indices.
+
+        The indices cover pages ``start_page..``; pages before ``start_page`` must already be in the
+        tree (on any tier) and are only touched; if they are not, nothing is inserted and None is
+        returned. Pages the tree already holds on that tier are kept; ``reused[i]`` is True for those
+        (and for every page before ``start_page``), and the caller still owns (and must free) its own
+        page ``i``. An L1 insert over an L2-only node gives the node the caller's L1 page (the node is
+        upgraded, which keeps L1 prefix-closed because the walk goes root-first). An L2 insert only
+        adds L2 pages to nodes that lack them and never creates L1 state.
+        """
+        if (device is None) == (host is None):
+            raise ValueError("insert: give exactly one of device or host indices")
+        idx = np.asarray(device if device is not None else host, dtype=np.int64)
+        n_pages = len(tokens) // self.stride
+        if len(idx) != n_pages - start_page or len(page_keys) != n_pages or start_page < 0:
+            raise ValueError(f"insert: {n_pages} pages of tokens from page {start_page} but {len(idx)} indices "
+                             f"and {len(page_keys)} keys")
+        on_device = device is not None
+        if on_device and start_page:
+            raise ValueError("insert: L1 inserts start at page 0")
+        root = self._root(ns, create=True)
+        assert root is not None
+        reused = np.zeros(n_pages, dtype=bool)
+        reused[:start_page] = True
+        now = next(self._clock)
+        node, page, new_pages = root, 0, 0
+        for node in self._walk(root, tokens[: n_pages * self.stride]):
+            n = node.n_pages
+            if page < start_page < page + n:
+                self._split(node, start_page - page)  # node keeps the part from start_page on
+                page = start_page
+                n = node.n_pages
+            if page >= start_page:
+                attr = node.device if on_device else node.host
+                if attr is None:
+                    self._set_tier(node, on_device, idx[page - start_page : page - start_page + n].copy())
+                    new_pages += n
+                else:
+                    reused[page : page + n] = True
+            node.last_access = now
+            node.hit_count += 1
+            page += n
+        if page < start_page:
+            if root.parent is None and not root.children:
+                del self.roots[ns]
+            return None
+        if page < n_pages:
+            leaf = TreeNode(node, tokens[page * self.stride : n_pages * self.stride], page_keys[page:])
+            leaf.last_access, leaf.hit_count = now, 1
+            self._set_tier(leaf, on_device, idx[page - start_page :].copy())
+            node.children[leaf.key[: self.stride]] = leaf
+            new_pages += n_pages - page
+            node = leaf
+        return InsertResult(node, reused, new_pages)
+
+    def _set_tier(self, node: TreeNode, on_device: bool, idx: np.ndarray) -> None:
+        if on_device:
+            node.device = idx
+            self.device_pages += len(idx)
+            if node.lock_ref > 0:
+                self.locked_device_pages += len(idx)
+        else:
+            node.host = idx
+            self.host_pages += len(idx)
+
+    def set_host(self, node: TreeNode, host: np.ndarray) -> None:
+        """Record an L2 backup of an L1 node (write-through / write-back)."""
+        if node.host is not None or len(host) != node.n_pages:
+            raise ValueError("set_host: node already backed up, or wrong number of pages")
+        self._set_tier(node, False, np.asarray(host, dtype=np.int64))
+
+    def set_device(self, node: TreeNode, device: np.ndarray, load_handle: Any = None) -> None:
+        """Record L1 pages loaded back for an L2-only node whose parent is on L1."""
+        parent = node.parent
+        if node.device is not None or len(device) != node.n_pages:
+            raise ValueError("set_device: node already on L1, or wrong number of pages")
+        if parent is not None and parent.parent is not None and parent.device is None:
+            raise ValueError("set_device: parent is not on L1 (load the path root-first)")
+        self._set_tier(node, True, np.asarray(device, dtype=np.int64))
+        node.load_handle = load_handle
+
+    # ------------------------------------------------------------------ locks
+    def lock(self, node: TreeNode | None) -> None:
+        """Protect ``node`` and its ancestors from L1 eviction (they must be on L1)."""
+        while node is not None and node.parent is not None:
+            if node.lock_ref == 0:
+                if node.device is None:
+                    raise ValueError("lock: node is not on L1")
+                self.locked_device_pages += node.n_pages
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode | None) -> None:
+        while node is not None and node.parent is not None:
+            if node.lock_ref <= 0:
+                raise ValueError("unlock: node is not locked (double release?)")
+            node.lock_ref -= 1
+            if node.lock_ref == 0 and node.device is not None:
+                self.locked_device_pages -= node.n_pages
+            node = node.parent
+
+    def pin_host(self, nodes: list[TreeNode]) -> None:
+        """Protect the L2 pages of ``nodes`` from L2 eviction (e.g. while they load or write to L3)."""
+        for node in nodes:
+            node.host_pin += 1
+
+    def unpin_host(self, nodes: list[TreeNode]) -> None:
+        for node in nodes:
+            if node.host_pin <= 0:
+                raise ValueError("unpin_host: node is not pinned")
+            node.host_pin -= 1
+
+    # ------------------------------------------------------------------ eviction
+    def nodes(self) -> Iterator[TreeNode]:
+        stack = list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            if node.parent is not None:
+                yield node
+            stack.extend(node.children.values())
+
+    def _l1_evictable(self, node: TreeNode) -> bool:
+        return (
+            node.parent is not None
+            and node.device is not None
+            and node.lock_ref == 0
+            and not any(c.device is not None for c in node.children.values())
+        )
+
+    def evict_device(self, n_pages: int, backup: Callable[[TreeNode], bool]) -> list[np.ndarray]:
+        """Free at least ``n_pages`` L1 pages (fewer if not enough are evictable), policy order.
+
+        Candidates are unlocked L1 nodes with no L1 child. A candidate already on L2 is downgraded to
+        host-only. One that is not is first offered to ``backup(node)`` (write-back); if that gives it
+        L2 pages it is downgraded, else it is dropped when it is a leaf and skipped when it has
+        (L2-only) children. Returns the freed L1 page arrays; the caller returns them to the pool.
+        """
+        heap = [(self._policy(n), id(n), n) for n in self.nodes() if self._l1_evictable(n)]
+        heapq.heapify(heap)
+        freed: list[np.ndarray] = []
+        count = 0
+        while count < n_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._l1_evictable(node):
+                continue
+            if node.host is None:
+                backup(node)
+            if node.host is None and node.children:
+                continue
+            assert node.device is not None
+            freed.append(node.device)
+            count += node.n_pages
+            self.device_pages -= node.n_pages
+            node.device = None
+            node.load_handle = None
+            parent = node.parent
+            if node.host is None:
+                self._remove(node)
+            assert parent is not None
+            if self._l1_evictable(parent):
+                heapq.heappush(heap, (self._policy(parent), id(parent), parent))
+        return freed
+
+    def _l2_evictable(self, node: TreeNode) -> bool:
+        return (
+            node.parent is not None
+            and not node.children
+            and node.device is None
+            and node.host is not None
+            and node.host_pin == 0
+        )
+
+    def evict_host(self, n_pages: int) -> list[np.ndarray]:
+        """Free at least ``n_pages`` L2 pages from leaves that are not on L1 and not pinned.
+
+        The nodes are removed from the tree (L3, if any, still has them). Returns the freed L2 arrays.
+        """
+        heap = [(self._policy(n), id(n), n) for n in self.nodes() if self._l2_evictable(n)]
+        heapq.heapify(heap)
+        freed: list[np.ndarray] = []
+        count = 0
+        while count < n_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._l2_evictable(node):
+                continue
+            assert node.host is not None
+            freed.append(node.host)
+            count += node.n_pages
+            parent = node.parent
+            self._remove(node)
+            if parent is not None and self._l2_evictable(parent):
+                heapq.heappush(heap, (self._policy(parent), id(parent), parent))
+        return freed
+
+    def _remove(self, node: TreeNode) -> None:
+        """Detach a leaf; its L2 pages (if any) are accounted as freed by the caller."""
+        assert not node.children and node.device is None and node.parent is not None
+        if node.host is not None:
+            self.host_pages -= node.n_pages
+            node.host = None
+        parent = node.parent
+        del parent.children[node.key[: self.stride]]
+        node.parent = None
+        if parent.parent is None and not parent.children:
+            for ns, root in list(self.roots.items()):
+                if root is parent:
+                    del self.roots[ns]
+
+    def drop_host(self, node: TreeNode) -> np.ndarray:
+        """Forget the L2 copy of an L1 node (e.g. an L2 page found damaged); returns its L2 pages."""
+        if node.host is None or node.device is None or node.host_pin:
+            raise ValueError("drop_host: node must be on L1 and L2 and not pinned")
+        host, node.host = node.host, None
+        self.host_pages -= node.n_pages
+        return host
+
+    # ------------------------------------------------------------------ integrity
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any invariant of the module docstring is broken."""
+        dev = host = locked = 0
+        for node in self.nodes():
+            assert node.parent is not None
+            assert node.device is not None or node.host is not None, f"{node} on no tier"
+            assert len(node.key) == node.n_pages * self.stride and node.n_pages > 0
+            assert node.parent.children.get(node.key[: self.stride]) is node
+            if node.device is not None:
+                assert len(node.device) == node.n_pages
+                dev += node.n_pages
+                p = node.parent
+                assert p.parent is None or p.device is not None, "L1 not prefix-closed"
+                if node.lock_ref:
+                    locked += node.n_pages
+            else:
+                assert node.lock_ref == 0, "locked node off L1"
+            if node.host is not None:
+                assert len(node.host) == node.n_pages
+                host += node.n_pages
+            if node.parent.parent is not None:
+                assert node.parent.lock_ref >= node.lock_ref, "lock does not cover the path"
+        assert dev == self.device_pages, (dev, self.device_pages)
+        assert host == self.host_pages, (host, self.host_pages)
+        assert locked == self.locked_device_pages, (locked, self.locked_device_pages)
+
+    def all_device_pages(self) -> np.ndarray:
+        arrs = [n.device for n in self.nodes() if n.device is not None]
+        return np.concatenate(arrs) if arrs else EMPTY
+
+    def all_host_pages(self) -> np.ndarray:
+        arrs = [n.host for n in self.nodes() if n.host is not None]
+        return np.concatenate(arrs) if arrs else EMPTY

@@ -1,0 +1,144 @@
+"""L3 storage interface and the backend registry.
+
+A backend stores whole pages by page key. Its contract:
+
+* ``batch_exists(keys)`` -> how many keys *from the first* are present (hits are a contiguous prefix,
+  because key i names page i and everything before it).
+* ``batch_get(keys, host_pool, host_indices)`` -> ``n``: pages ``0..n-1`` were read into the given L2
+  pages, verified (namespace, key, length, checksum); reading stops at the first missing or damaged page.
+  A damaged or foreign page is a miss, never a wrong page.
+* ``batch_set(keys, host_pool, host_indices)`` -> how many pages from the first were stored.
+* ``delete(keys)`` -> how many existed; ``stats()`` -> :class:`StorageStats`; ``close()``.
+* Operations never raise for a store that is down or slow: they count the error and report a miss /
+  nothing written. They raise ``ValueError`` only for caller bugs (mismatched lengths).
+* Backends are thread-safe: the cache calls them from its prefetch and writeback workers.
+
+Backends register under a URL scheme (``@register_backend("redis", "rediss")``) and are created with
+:func:`create_backend` from a URL such as ``memory://``, ``redis://host:6379/0``, ``file:///var/cache``.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+from hicache.layout import KVLayout
+from hicache.pool import HostPool
+
+
+@dataclass(frozen=True)
+class StorageContext:
+    """What a backend is told about the pages it will store (mirrors SGLang's storage config)."""
+
+    namespace_digest: bytes  # 32 bytes; written into every frame and checked on read
+    layout: KVLayout
+    model: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    host_layout: str = "page_first"
+
+    @property
+    def is_mla(self) -> bool:
+        return self.layout.attention == "mla"
+
+
+@dataclass
+class StorageStats:
+    """Counters every backend keeps (read under the backend's own lock)."""
+
+    gets: int = 0  # pages returned by batch_get
+    get_misses: int = 0  # pages asked for and not returned
+    sets: int = 0  # pages stored
+    bytes_read: int = 0
+    bytes_written: int = 0
+    corrupt_pages: int = 0  # frames that failed verification (counted as misses)
+    errors: int = 0  # operations that failed on the store (down, timeout, ...)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StorageBackend(abc.ABC):
+    """Base class; subclasses implement the five operations of the module contract."""
+
+    scheme: str = ""
+
+    def __init__(self, url: str, ctx: StorageContext, **options: Any) -> None:
+        self.url = url
+        self.ctx = ctx
+        self.options = options
+        self._stats = StorageStats()
+        self._stats_lock = threading.Lock()
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for k, v in deltas.items():
+                setattr(self._stats, k, getattr(self._stats, k) + v)
+
+    @staticmethod
+    def _check_lengths(keys: Sequence[bytes], host_indices: Sequence[int]) -> None:
+        if len(keys) != len(host_indices):
+            raise ValueError(f"storage: {len(keys)} keys but {len(host_indices)} host pages")
+
+    @abc.abstractmethod
+    def batch_exists(self, keys: Sequence[bytes]) -> int: ...
+
+    @abc.abstractmethod
+    def batch_get(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int: ...
+
+    @abc.abstractmethod
+    def batch_set(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int: ...
+
+    @abc.abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> int: ...
+
+    def stats(self) -> StorageStats:
+        with self._stats_lock:
+            s = self._stats
+            return StorageStats(s.gets, s.get_misses, s.sets, s.bytes_read, s.bytes_written,
+                                s.corrupt_pages, s.errors, dict(s.extra))
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections / handles."""
+
+
+BackendFactory = Callable[..., StorageBackend]
+_BACKENDS: dict[str, BackendFactory] = {}
+# Modules imported on first use of a scheme, so optional dependencies load only when needed.
+_LAZY: dict[str, str] = {
+    "redis": "hicache.storage.redis_backend",
+    "rediss": "hicache.storage.redis_backend",
+    "redis+sentinel": "hicache.storage.redis_backend",
+    "redis+cluster": "hicache.storage.redis_backend",
+    "rediss+cluster": "hicache.storage.redis_backend",
+    "file": "hicache.storage.file_backend",
+    "s3": "hicache.storage.file_backend",
+    "hdfs": "hicache.storage.file_backend",
+    "gs": "hicache.storage.file_backend",
+}
+
+
+def register_backend(*schemes: str) -> Callable[[Any], Any]:
+    def deco(cls: Any) -> Any:
+        for s in schemes:
+            _BACKENDS[s] = cls
+        return cls
+
+    return deco
+
+
+def create_backend(url: str, ctx: StorageContext, **options: Any) -> StorageBackend:
+    """Create the backend registered for ``url``'s scheme; ``ValueError`` names unknown schemes."""
+    scheme = urlparse(url).scheme or "file"
+    if scheme not in _BACKENDS and scheme in _LAZY:
+        import importlib
+
+        importlib.import_module(_LAZY[scheme])
+    try:
+        factory = _BACKENDS[scheme]
+    except KeyError:
+        known = sorted(set(_BACKENDS) | set(_LAZY))
+        raise ValueError(f"storage.url: unknown scheme {scheme!r} in {url!r}; known: {known}") from None
+    return factory(url, ctx, **options)

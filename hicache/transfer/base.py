@@ -1,0 +1,108 @@
+"""Transfer interface: move pages between L2 (host) and L1 (device).
+
+Contract:
+
+* ``load(host_idx, device_idx)`` copies host pages ``host_idx[i]`` into device pages ``device_idx[i]``
+  for every layer and returns a :class:`TransferHandle` right away. Layers complete in order;
+  ``wait_layer(i)`` returns once layer ``i`` is readable by the caller's compute (on CUDA: the compute
+  stream waits on layer ``i``'s event, no host synchronisation), ``wait()`` once all are, and ``done()``
+  polls without blocking.
+* ``backup(device_idx, host_idx)`` copies device pages to host pages and returns a handle; it never
+  reads a page before the writes the caller issued before calling it have finished (on CUDA it waits on
+  an event recorded on the compute stream).
+* Index arrays are int64 page indices, equal length, in range, without duplicates in the destination;
+  implementations raise ``ValueError`` otherwise and copy nothing.
+* Engines are chosen through a registry (:func:`register_engine`, :func:`create_engine`).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hicache.pool import DevicePool, HostPool
+
+
+class TransferHandle(abc.ABC):
+    """Completion of one load or backup."""
+
+    num_layers: int
+    num_pages: int
+
+    @abc.abstractmethod
+    def wait_layer(self, layer: int) -> None:
+        """Block (CPU) or make the current compute stream wait (CUDA) until ``layer`` has landed."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Until every layer has landed; re-raises a copy failure."""
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once every layer has landed; never blocks."""
+
+
+class TransferEngine(abc.ABC):
+    """Moves pages between one device pool and one host pool."""
+
+    name: str = "abstract"
+
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool) -> None:
+        if device_pool.layout != host_pool.layout:
+            raise ValueError("transfer: device and host pools have different KV layouts")
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.layout = device_pool.layout
+
+    def _check(self, src: np.ndarray, dst: np.ndarray, src_cap: int, dst_cap: int) -> tuple[np.ndarray, np.ndarray]:
+        src = np.ascontiguousarray(src, dtype=np.int64)
+        dst = np.ascontiguousarray(dst, dtype=np.int64)
+        if src.shape != dst.shape or src.ndim != 1:
+            raise ValueError(f"transfer: index arrays differ in shape {src.shape} vs {dst.shape}")
+        if src.size:
+            if src.min() < 0 or src.max() >= src_cap or dst.min() < 0 or dst.max() >= dst_cap:
+                raise ValueError("transfer: page index out of range")
+            if len(np.unique(dst)) != len(dst):
+                raise ValueError("transfer: duplicate destination pages")
+        return src, dst
+
+    @abc.abstractmethod
+    def load(self, host_idx: np.ndarray, device_idx: np.ndarray) -> TransferHandle:
+        """L2 -> L1, layer by layer."""
+
+    @abc.abstractmethod
+    def backup(self, device_idx: np.ndarray, host_idx: np.ndarray) -> TransferHandle:
+        """L1 -> L2."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop background work and release resources."""
+
+
+_ENGINES: dict[str, Callable[..., TransferEngine]] = {}
+
+
+def register_engine(name: str) -> Callable[[Any], Any]:
+    def deco(cls: Any) -> Any:
+        _ENGINES[name] = cls
+        return cls
+
+    return deco
+
+
+def create_engine(name: str, device_pool: DevicePool, host_pool: HostPool, **kwargs: Any) -> TransferEngine:
+    """``name``: a registered engine, or ``auto`` (CUDA when the device pool is on a GPU, else CPU)."""
+    if name == "auto":
+        name = "cuda" if device_pool.device.type == "cuda" else "cpu"
+    if name == "cuda" and "cuda" not in _ENGINES:
+        try:
+            import hicache.transfer.cuda  # noqa: F401  (registers itself)
+        except ImportError as e:
+            raise ValueError(f"transfer engine 'cuda' unavailable: {e}") from e
+    try:
+        factory = _ENGINES[name]
+    except KeyError:
+        raise ValueError(f"transfer engine: unknown {name!r}; known: {sorted(_ENGINES)} or 'auto'") from None
+    return factory(device_pool, host_pool, **kwargs)

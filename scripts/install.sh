@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install hicache and what it needs. Usage: scripts/install.sh [--dev]
+#   --dev  also the test tools (pytest, hypothesis, ruff, mypy) and Debian's redis-server.
+# On a machine without an NVIDIA GPU this installs the CPU build of torch first, so pip does not pull a
+# multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! $PY -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    $PY -m pip install -q "torch>=2.11,<2.15"
+  else
+    $PY -m pip install -q "torch==2.13.0" || $PY -m pip install -q "torch>=2.11,<2.15" --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+if [[ "${1:-}" == "--dev" ]]; then
+  $PY -m pip install -q -e ".[dev]"
+  if ! command -v redis-server >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+      SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+      $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+    else
+      echo "install.sh: redis-server not found and no apt-get; install Redis >= 6 yourself" >&2
+      exit 1
+    fi
+  fi
+else
+  $PY -m pip install -q -e .
+fi
