@@ -109,13 +109,17 @@ class HiCache:
     """Three-tier KV cache for one model shard (one KV layout, any number of tenants)."""
 
     def __init__(self, config: HiCacheConfig, storage: StorageBackend | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, device_pool: DevicePool | None = None) -> None:
+        """``storage`` overrides ``config.storage.url``; ``device_pool`` lets a caller supply an L1 pool
+        it allocated itself (e.g. in shared memory or CUDA IPC-exportable), of the config's layout."""
         self.config = config
         self.layout = config.layout.to_layout()
         self.page_size = self.layout.page_size
         self.ns = config.namespace()
         c = config.cache
-        self.device_pool = DevicePool(self.layout, config.l1_pages, c.device)
+        if device_pool is not None and device_pool.layout != self.layout:
+            raise ValueError("device_pool: layout differs from the config's layout")
+        self.device_pool = device_pool or DevicePool(self.layout, config.l1_pages, c.device)
         self.host_pool = HostPool(self.layout, max(config.l2_pages, 1), c.host_layout)  # type: ignore[arg-type]
         self.has_l2 = config.l2_pages > 0
         io = c.io_backend
@@ -139,6 +143,7 @@ class HiCache:
         self.writeback = (Writeback(storage, self.host_pool, s.writeback_queue_pages, s.io_batch_pages,
                                     s.writeback_when_full) if storage is not None and self.has_l2 else None)
         self._prefetch_inflight_bytes = 0
+        self._storage_seen = (0, 0)  # backend (corrupt_pages, errors) already folded into metrics
         m = self.metrics
         m.pool_total.labels("l1").set(self.device_pool.num_pages)
         m.pool_total.labels("l2").set(config.l2_pages)
@@ -159,6 +164,14 @@ class HiCache:
         m.pool_used.labels("l2").set(self.host_pool.allocator.used_pages if self.has_l2 else 0)
         if self.writeback is not None:
             m.writeback_queue.set(self.writeback.queued_pages)
+        if self.storage is not None:
+            st = self.storage.stats()
+            seen = self._storage_seen
+            if st.corrupt_pages > seen[0]:
+                m.storage_corrupt_pages.inc(st.corrupt_pages - seen[0])
+            if st.errors > seen[1]:
+                m.storage_errors.inc(st.errors - seen[1])
+            self._storage_seen = (st.corrupt_pages, st.errors)
 
     def _reap(self, wait: bool = False) -> None:
         """Fold in finished L1 -> L2 backups: unlock the node, then hand its pages to L3 writeback."""
