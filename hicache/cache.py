@@ -58,8 +58,8 @@ class Request:
     l2_pages: int  # pages continuing it on L2
     l3_pages: int  # pages continuing that on L3 (0 without a store)
     device_indices: np.ndarray  # L1 pages of the usable prefix, in order (grows after load_back)
-    lock_node: TreeNode | None = None
-    pinned: list[TreeNode] = field(default_factory=list)
+    lock_node: TreeNode | None = None  # deepest L1 node locked for this request
+    pin_node: TreeNode | None = None  # deepest L2 node pinned for this request
     host_nodes: list[TreeNode] = field(default_factory=list)
     pending: list[Any] = field(default_factory=list)  # loads the L1 prefix still depends on
     owned_device: list[np.ndarray] = field(default_factory=list)  # allocated, not committed yet
@@ -131,7 +131,8 @@ class HiCache:
         self.metrics = metrics or Metrics()
         self.write_policy = c.write_policy
         self._lock = threading.RLock()
-        self._backups: list[tuple[TransferHandle, TreeNode]] = []  # L1 -> L2 copies in flight
+        # L1 -> L2 copies in flight: (handle, node, its page keys, its L2 pages) captured at submission
+        self._backups: list[tuple[TransferHandle, TreeNode, list[bytes], np.ndarray]] = []
         self._l3_writing = 0  # pages pinned for L3 writeback
         s = config.storage
         if storage is None and s.url:
@@ -175,33 +176,36 @@ class HiCache:
 
     def _reap(self, wait: bool = False) -> None:
         """Fold in finished L1 -> L2 backups: unlock the node, then hand its pages to L3 writeback."""
-        still: list[tuple[TransferHandle, TreeNode]] = []
-        for handle, node in self._backups:
+        still = []
+        for item in self._backups:
+            handle, node, keys, host = item
             if wait:
                 handle.wait()
             if handle.done():
                 self.tree.unlock(node)
-                self.tree.unpin_host([node])
-                self._write_l3(node)
+                self._write_l3(node, keys, host)
+                self.tree.unpin_host(node)
             else:
-                still.append((handle, node))
+                still.append(item)
         self._backups = still
 
-    def _write_l3(self, node: TreeNode) -> None:
-        if self.writeback is None or node.host is None:
+    def _write_l3(self, node: TreeNode, keys: list[bytes], host: np.ndarray) -> None:
+        """Queue ``keys``/``host`` (the L2 pages of ``node``, captured before any split) for L3; the
+        path stays pinned until written, so a split of ``node`` meanwhile keeps both halves' pages."""
+        if self.writeback is None:
             return
-        self.tree.pin_host([node])
-        n = node.n_pages
+        self.tree.pin_host(node)
+        n = len(keys)
 
         def done(written: int) -> None:
             with self._lock:
-                self.tree.unpin_host([node])
+                self.tree.unpin_host(node)
                 self._l3_writing -= n
                 self.metrics.backup_tokens.labels("l3").inc(written * self.page_size)
 
         self._l3_writing += n
-        if not self.writeback.submit(node.page_keys, node.host.copy(), done):
-            self.tree.unpin_host([node])
+        if not self.writeback.submit(keys, host, done):
+            self.tree.unpin_host(node)
             self._l3_writing -= n
             self.metrics.writeback_dropped_pages.inc(n)
 
@@ -260,13 +264,14 @@ class HiCache:
         handle = self.transfer.backup(node.device, host)
         self.tree.set_host(node, host)
         self.metrics.backup_tokens.labels("l2").inc(node.n_pages * self.page_size)
+        keys = list(node.page_keys)
         if wait:
             handle.wait()
-            self._write_l3(node)
+            self._write_l3(node, keys, host)
         else:
             self.tree.lock(node)  # device pages stay until the copy is done
-            self.tree.pin_host([node])
-            self._backups.append((handle, node))
+            self.tree.pin_host(node)  # and the L2 pages are not reused before it is
+            self._backups.append((handle, node, keys, host))
         return True
 
     # ------------------------------------------------------------------ request API
@@ -287,7 +292,8 @@ class HiCache:
             self._reap()
             m = self.tree.match(ns.digest, tb)
             self.tree.lock(m.l1_node)
-            self.tree.pin_host(m.host_nodes)
+            pin = m.host_nodes[-1] if m.host_nodes else None
+            self.tree.pin_host(pin)
             if self.write_policy == "write_through_selective":
                 node = m.l1_node
                 while node is not None and node.parent is not None:
@@ -295,8 +301,8 @@ class HiCache:
                         self._backup(node, wait=False)
                     node = node.parent
             self._update_gauges()
-        req = Request(ns, tb, keys, m.l1_pages, m.l2_pages, 0, m.device_indices, m.l1_node,
-                      list(m.host_nodes), list(m.host_nodes), list(m.pending))
+        req = Request(ns, tb, keys, m.l1_pages, m.l2_pages, 0, m.device_indices, m.l1_node, pin,
+                      list(m.host_nodes), list(m.pending))
         done = req.l1_pages + req.l2_pages
         if l3 and self.storage is not None and done < len(keys):
             req.l3_pages = self.storage.batch_exists(keys[done:])
@@ -391,11 +397,11 @@ class HiCache:
             handle = None
             if n:
                 self.tree.lock(m.l1_node)  # keep the prefix while we allocate (may evict)
-                self.tree.pin_host(nodes)
+                self.tree.pin_host(nodes[-1])
                 try:
                     dev = self._alloc_device(n)
                 finally:
-                    self.tree.unpin_host(nodes)
+                    self.tree.unpin_host(nodes[-1])
                     self.tree.unlock(m.l1_node)
                 host = np.concatenate([x.host for x in nodes if x.host is not None])
                 handle = self.transfer.load(host, dev)
@@ -412,8 +418,8 @@ class HiCache:
                 dev_all = m.device_indices
             self.tree.lock(new_lock)
             self.tree.unlock(req.lock_node)
-            self.tree.unpin_host(req.pinned)
-            req.pinned = []
+            self.tree.unpin_host(req.pin_node)
+            req.pin_node = None
             req.lock_node = new_lock
             req.device_indices = dev_all
             self._update_gauges()
@@ -483,12 +489,11 @@ class HiCache:
             backed = 0
             if self.write_policy == "write_through":
                 node: TreeNode | None = res.node
-                while node is not None and node.parent is not None and node.host is None:
-                    if self._backup(node, wait=False):
+                while node is not None and node.parent is not None:
+                    if node.host is None and self._backup(node, wait=False):
                         backed += node.n_pages
                     node = node.parent
             self._update_gauges()
-        self.metrics.backup_tokens  # noqa: B018 (counted in _backup)
         return CommitResult(res.new_pages, int(res.reused[prefix:].sum()), backed)
 
     def _path_device(self, node: TreeNode) -> np.ndarray:
@@ -512,10 +517,10 @@ class HiCache:
             req.prefetch = None
         with self._lock:
             self.tree.unlock(req.lock_node)
-            self.tree.unpin_host(req.pinned)
+            self.tree.unpin_host(req.pin_node)
             for pages in req.owned_device:
                 self.device_pool.allocator.free(pages)
-            req.owned_device, req.pinned, req.lock_node = [], [], None
+            req.owned_device, req.pin_node, req.lock_node = [], None, None
             req.released = True
             self._update_gauges()
 

@@ -314,16 +314,19 @@ class RadixTree:
                 self.locked_device_pages -= node.n_pages
             node = node.parent
 
-    def pin_host(self, nodes: list[TreeNode]) -> None:
-        """Protect the L2 pages of ``nodes`` from L2 eviction (e.g. while they load or write to L3)."""
-        for node in nodes:
+    def pin_host(self, node: TreeNode | None) -> None:
+        """Protect the L2 pages of ``node`` and its ancestors from L2 eviction (while they load or are
+        written to L3). Like ``lock`` it covers the whole path, so a later split keeps both halves pinned."""
+        while node is not None and node.parent is not None:
             node.host_pin += 1
+            node = node.parent
 
-    def unpin_host(self, nodes: list[TreeNode]) -> None:
-        for node in nodes:
+    def unpin_host(self, node: TreeNode | None) -> None:
+        while node is not None and node.parent is not None:
             if node.host_pin <= 0:
                 raise ValueError("unpin_host: node is not pinned")
             node.host_pin -= 1
+            node = node.parent
 
     # ------------------------------------------------------------------ eviction
     def nodes(self) -> Iterator[TreeNode]:
@@ -452,6 +455,7 @@ class RadixTree:
                 host += node.n_pages
             if node.parent.parent is not None:
                 assert node.parent.lock_ref >= node.lock_ref, "lock does not cover the path"
+                assert node.parent.host_pin >= node.host_pin, "pin does not cover the path"
         assert dev == self.device_pages, (dev, self.device_pages)
         assert host == self.host_pages, (host, self.host_pages)
         assert locked == self.locked_device_pages, (locked, self.locked_device_pages)
