@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -34,7 +34,7 @@ from hicache.config import HiCacheConfig
 from hicache.keys import Namespace, page_keys_from_bytes, tokens_to_bytes
 from hicache.metrics import Metrics
 from hicache.pool import DevicePool, HostPool
-from hicache.radix import EMPTY, RadixTree, TreeNode
+from hicache.radix import EMPTY, RadixTree, TreeEvent, TreeNode
 from hicache.storage.base import StorageBackend, StorageContext, create_backend
 from hicache.storage.prefetch import Prefetcher, PrefetchTask
 from hicache.storage.writeback import FlushReport, Writeback
@@ -569,6 +569,28 @@ class HiCache:
             if self.has_l2:
                 assert np.array_equal(np.sort(host_held), host_alloc), (
                     f"L2: {len(host_held)} cached+in flight vs {len(host_alloc)} allocated")
+
+    # ------------------------------------------------------------------ events
+    def add_listener(self, fn: Callable[[TreeEvent], None]) -> None:
+        """Call ``fn(event)`` for every run of pages stored in, removed from or changing tier in the tree.
+
+        ``fn`` runs under the tree lock, in order, on whichever thread changed the tree: it must be quick
+        and must not call back into the cache.
+        """
+        with self._lock:
+            self.tree.listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[TreeEvent], None]) -> None:
+        with self._lock:
+            self.tree.listeners.remove(fn)
+
+    def snapshot(self, at: Callable[[], None] | None = None) -> list[TreeEvent]:
+        """Every run in the tree as a "stored" event, parents before children; ``at()`` runs under the
+        same lock hold, so a listener can note where in its event stream the snapshot stands."""
+        with self._lock:
+            if at is not None:
+                at()
+            return [self.tree.event("stored", n) for n in self.tree.nodes()]
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

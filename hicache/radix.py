@@ -87,6 +87,22 @@ class TreeMatch(NamedTuple):
         return len(self.host_indices)
 
 
+class TreeEvent(NamedTuple):
+    """What a listener (``RadixTree.listeners``) is told when a run of pages changes tiers.
+
+    Emitted under the caller's tree lock, in order; listeners must be quick and must not call back
+    into the tree.
+    """
+
+    kind: str  # "stored" (entered the tree) | "tier" (gained or lost a tier) | "removed" (left the tree)
+    ns: bytes  # namespace digest of the run's root
+    parent_key: bytes  # page key just before the run (b"" when the run starts at the root)
+    page_keys: tuple[bytes, ...]  # one key per page of the run
+    tokens: bytes  # the run's tokens, uint32 LE
+    on_device: bool  # on L1 after the change
+    on_host: bool  # on L2 after the change
+
+
 class InsertResult(NamedTuple):
     node: TreeNode  # node ending at the last inserted page
     reused: np.ndarray  # bool per page: True where the tree already held the page on that tier
@@ -108,6 +124,7 @@ class RadixTree:
         self.device_pages = 0  # pages on L1 held by the tree
         self.host_pages = 0  # pages on L2 held by the tree
         self.locked_device_pages = 0  # L1 pages of nodes with lock_ref > 0
+        self.listeners: list[Callable[[TreeEvent], None]] = []  # told of every tier change (TreeEvent)
 
     # ------------------------------------------------------------------ lookup
     def _root(self, ns: bytes, create: bool) -> TreeNode | None:
@@ -268,7 +285,25 @@ class RadixTree:
             node = leaf
         return InsertResult(node, reused, new_pages)
 
+    def event(self, kind: str, node: TreeNode) -> TreeEvent:
+        """The :class:`TreeEvent` describing ``node`` now (``node`` must still hang from its root)."""
+        root = node
+        while root.parent is not None:
+            root = root.parent
+        ns = next((k for k, r in self.roots.items() if r is root), b"")
+        parent = node.parent
+        parent_key = parent.page_keys[-1] if parent is not None and parent.page_keys else b""
+        return TreeEvent(kind, ns, parent_key, tuple(node.page_keys), node.key, node.device is not None,
+                         node.host is not None)
+
+    def _emit(self, kind: str, node: TreeNode) -> None:
+        if self.listeners:
+            ev = self.event(kind, node)
+            for fn in self.listeners:
+                fn(ev)
+
     def _set_tier(self, node: TreeNode, on_device: bool, idx: np.ndarray) -> None:
+        known = node.device is not None or node.host is not None
         if on_device:
             node.device = idx
             self.device_pages += len(idx)
@@ -277,6 +312,7 @@ class RadixTree:
         else:
             node.host = idx
             self.host_pages += len(idx)
+        self._emit("tier" if known else "stored", node)
 
     def set_host(self, node: TreeNode, host: np.ndarray) -> None:
         """Record an L2 backup of an L1 node (write-through / write-back)."""
@@ -371,6 +407,8 @@ class RadixTree:
             self.device_pages -= node.n_pages
             node.device = None
             node.load_handle = None
+            if node.host is not None:
+                self._emit("tier", node)
             parent = node.parent
             if node.host is None:
                 self._remove(node)
@@ -416,6 +454,7 @@ class RadixTree:
         if node.host is not None:
             self.host_pages -= node.n_pages
             node.host = None
+        self._emit("removed", node)
         parent = node.parent
         del parent.children[node.key[: self.stride]]
         node.parent = None
@@ -430,6 +469,7 @@ class RadixTree:
             raise ValueError("drop_host: node must be on L1 and L2 and not pinned")
         host, node.host = node.host, None
         self.host_pages -= node.n_pages
+        self._emit("tier", node)
         return host
 
     # ------------------------------------------------------------------ integrity
