@@ -88,6 +88,8 @@ class PageAllocator:
 class DevicePool:
     """L1: layer-first K/V (or MLA latent) page tensors on ``device``."""
 
+    buffer: torch.Tensor | None = None  # the flat memory behind kv when built by from_buffer
+
     def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cpu") -> None:
         self.layout = layout
         self.num_pages = num_pages
@@ -99,6 +101,28 @@ class DevicePool:
             [torch.zeros(shape, dtype=layout.torch_dtype, device=self.device) for _ in range(layout.kv_count)]
             for _ in range(layout.num_layers)
         ]
+
+    @classmethod
+    def from_buffer(cls, layout: KVLayout, num_pages: int, buffer: torch.Tensor) -> DevicePool:
+        """A pool over caller-owned memory: ``buffer`` is a contiguous uint8 tensor of exactly
+        ``num_pages * layout.bytes_per_page`` bytes (shared memory, a CUDA IPC-exportable allocation),
+        viewed as ``[L, C, P, S, H, D]`` so ``kv[layer][c] = view[layer, c]`` (no copy). The caller keeps
+        the memory alive as long as the pool."""
+        need = num_pages * layout.bytes_per_page
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError("from_buffer: buffer must be a flat contiguous uint8 tensor")
+        if buffer.numel() != need:
+            raise ValueError(f"from_buffer: buffer has {buffer.numel()} bytes, {num_pages} pages need {need}")
+        pool = cls.__new__(cls)
+        pool.layout = layout
+        pool.num_pages = num_pages
+        pool.device = buffer.device
+        pool.allocator = PageAllocator(num_pages)
+        view = buffer.view(layout.torch_dtype).view(layout.num_layers, layout.kv_count, num_pages,
+                                                    *layout.page_shape)
+        pool.kv = [[view[layer, c] for c in range(layout.kv_count)] for layer in range(layout.num_layers)]
+        pool.buffer = buffer
+        return pool
 
     @property
     def nbytes(self) -> int:
