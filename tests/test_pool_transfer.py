@@ -1,0 +1,116 @@
+"""Pools (allocators, layouts, integrity) and the CPU transfer engine (per-layer readiness, bytes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.layout import KVLayout
+from hicache.pool import DevicePool, HostPool, PageAllocator
+from hicache.transfer import create_engine
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 9)), max_size=60))
+def test_allocator_conserves_pages(ops: list[tuple[bool, int]]) -> None:
+    a = PageAllocator(32)
+    held: list[np.ndarray] = []
+    for is_alloc, n in ops:
+        if is_alloc:
+            got = a.alloc(n)
+            if got is None:
+                assert n > a.free_pages
+            else:
+                assert len(got) == n
+                held.append(got)
+        elif held:
+            a.free(held.pop(n % len(held)))
+        a.check_integrity()
+        out = np.concatenate(held) if held else np.empty(0, dtype=np.int64)
+        assert len(np.unique(out)) == len(out) == a.used_pages
+
+
+def test_allocator_rejects_double_free_and_out_of_range() -> None:
+    a = PageAllocator(4)
+    p = a.alloc(2)
+    assert p is not None
+    a.free(p)
+    with pytest.raises(ValueError, match="double free"):
+        a.free(p)
+    with pytest.raises(ValueError, match="out of range"):
+        a.free(np.array([4]))
+    a.check_integrity()
+
+
+def test_layout_bytes() -> None:
+    llama8b = KVLayout(32, 8, 128, "bfloat16", 1)
+    assert llama8b.bytes_per_token == 128 * 1024  # 128 KiB per token
+    mla = KVLayout(61, 1, 576, "bfloat16", 64, "mla")
+    assert mla.kv_count == 1 and mla.bytes_per_page == 61 * 64 * 576 * 2
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        KVLayout(2, 2, 4, "bfloat16", 4, "mla")
+    with pytest.raises(ValueError, match="dtype"):
+        KVLayout(2, 2, 4, "float64", 4)
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("attention,heads", [("mha", 2), ("mla", 1)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8"])
+def test_cpu_transfer_round_trip(host_layout: str, attention: str, heads: int, dtype: str) -> None:
+    layout = KVLayout(3, heads, 5, dtype, 3, attention)  # odd sizes on purpose
+    dev = DevicePool(layout, 10)
+    host = HostPool(layout, 12, host_layout)  # type: ignore[arg-type]
+    eng = create_engine("cpu", dev, host)
+    try:
+        g = torch.Generator().manual_seed(0)
+        for layer in dev.kv:
+            for t in layer:
+                t.copy_(torch.randint(0, 100, t.shape, generator=g).to(t.dtype))
+        src = np.array([7, 2, 9, 0])
+        dst = np.array([11, 3, 5, 1])
+        eng.backup(src, dst).wait()
+        for i, (s, d) in enumerate(zip(src, dst, strict=True)):
+            page = host.page_bytes(int(d))
+            expect = torch.stack([torch.stack([dev.kv[lay][c][s] for c in range(layout.kv_count)])
+                                  for lay in range(3)])
+            assert page == expect.view(torch.uint8).numpy().tobytes(), i
+        back = np.array([4, 6, 8, 3])
+        h = eng.load(dst, back)
+        for layer in range(3):
+            h.wait_layer(layer)
+            for c in range(layout.kv_count):
+                assert torch.equal(dev.kv[layer][c][torch.from_numpy(back)], dev.kv[layer][c][torch.from_numpy(src)])
+        assert h.done()
+    finally:
+        eng.close()
+
+
+def test_transfer_rejects_bad_indices_and_copies_nothing() -> None:
+    layout = KVLayout(1, 1, 2, "float32", 2)
+    dev, host = DevicePool(layout, 4), HostPool(layout, 4)
+    eng = create_engine("cpu", dev, host)
+    try:
+        with pytest.raises(ValueError, match="out of range"):
+            eng.load(np.array([0, 4]), np.array([0, 1]))
+        with pytest.raises(ValueError, match="duplicate"):
+            eng.load(np.array([0, 1]), np.array([2, 2]))
+        with pytest.raises(ValueError, match="shape"):
+            eng.backup(np.array([0]), np.array([0, 1]))
+        with pytest.raises(ValueError, match="unknown"):
+            create_engine("nope", dev, host)
+    finally:
+        eng.close()
+
+
+def test_host_page_bytes_round_trip_and_size_check() -> None:
+    layout = KVLayout(2, 2, 3, "float16", 2)
+    for hl in ("page_first", "layer_first"):
+        host = HostPool(layout, 3, hl)  # type: ignore[arg-type]
+        data = bytes(range(256)) * (layout.bytes_per_page // 256) + bytes(layout.bytes_per_page % 256)
+        host.write_page_bytes(1, data)
+        assert host.page_bytes(1) == data
+        with pytest.raises(ValueError, match="bytes"):
+            host.write_page_bytes(0, data[:-2])
