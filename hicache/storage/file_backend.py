@@ -1,0 +1,327 @@
+"""File L3 backend over ``pyarrow.fs``: a local or mounted directory, or any URI pyarrow understands.
+
+URLs: ``file:///var/cache/hicache``, a plain path (``/var/cache/hicache``), ``s3://bucket/prefix``,
+``hdfs://namenode:8020/path``, ``gs://bucket/prefix`` -- all through the same code
+(``pyarrow.fs.FileSystem.from_uri``).
+
+Layout: one file per page, ``<root>/<k0>/<k1>/<key hex>.page`` where ``k0``/``k1`` are the first two
+bytes of the key in hex (``shard_levels`` directories of 256 entries each, so no directory grows huge).
+Each file is one frame (:mod:`hicache.storage.frame`), verified on every read.
+
+Atomic writes: a page is written to ``.<key hex>.<pid>.<random>.tmp`` in the same directory and renamed
+into place, so a reader sees the whole page or none of it, even when the writer dies between the write
+and the rename. Temporary files older than ``tmp_max_age_s`` are removed when the store is opened. On
+object stores (s3, gs), where an object only appears once its upload completed, pages are written in
+place.
+
+Size cap (``max_bytes``, 0 = none): the backend tracks the pages it knows of (scanned when opened and
+every ``rescan_s`` seconds, plus its own writes; reads refresh a page) and, when the total passes the
+cap, deletes the oldest pages until it is below ``sweep_to`` of the cap.
+
+Options: ``max_bytes``, ``sweep_to`` (0.9), ``shard_levels`` (2), ``tmp_max_age_s`` (600),
+``rescan_s`` (60), ``io_threads`` (4: pages of a batch are read/written in parallel), ``delete_corrupt``
+(true). A store error (disk full, permission, network) is counted and reported as a miss / nothing
+written; it never raises into the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+
+from hicache.pool import HostPool
+from hicache.storage.base import StorageBackend, StorageContext, register_backend
+from hicache.storage.frame import HEADER_BYTES, encode_header
+
+log = logging.getLogger(__name__)
+
+OK, MISS, CORRUPT, ERROR = 0, 1, 2, 3
+_OBJECT_STORES = ("s3", "gs", "gcs")
+PAGE_SUFFIX = ".page"
+TMP_SUFFIX = ".tmp"
+
+
+@register_backend("file", "s3", "hdfs", "gs", "gcs")
+class FileBackend(StorageBackend):
+    """See the module docstring. Thread-safe."""
+
+    scheme = "file"
+
+    def __init__(self, url: str, ctx: StorageContext, max_bytes: int = 0, sweep_to: float = 0.9,
+                 shard_levels: int = 2, tmp_max_age_s: float = 600.0, rescan_s: float = 60.0,
+                 io_threads: int = 4, delete_corrupt: bool = True, **options: Any) -> None:
+        super().__init__(url, ctx, **options)
+        if options:
+            raise ValueError(f"file store: unknown option(s) {sorted(options)}")
+        if max_bytes < 0:
+            raise ValueError(f"file store max_bytes: must be >= 0, got {max_bytes}")
+        if not 0.0 < sweep_to <= 1.0:
+            raise ValueError(f"file store sweep_to: must be in (0, 1], got {sweep_to}")
+        if not 0 <= shard_levels <= 4:
+            raise ValueError(f"file store shard_levels: must be in [0, 4], got {shard_levels}")
+        if io_threads < 1:
+            raise ValueError(f"file store io_threads: must be >= 1, got {io_threads}")
+        scheme = urlparse(url).scheme
+        if scheme in ("", "file"):
+            path = urlparse(url).path if scheme == "file" else url
+            if not path:
+                raise ValueError(f"file store: no path in {url!r}")
+            self.fs: pafs.FileSystem = pafs.LocalFileSystem()
+            self.root = os.path.abspath(path)
+        else:
+            self.fs, self.root = pafs.FileSystem.from_uri(url)
+            self.root = self.root.rstrip("/")
+        self.atomic_rename = scheme not in _OBJECT_STORES
+        self.max_bytes = max_bytes
+        self.sweep_to = sweep_to
+        self.shard_levels = shard_levels
+        self.delete_corrupt = delete_corrupt
+        self.rescan_s = rescan_s
+        self._page_bytes = ctx.layout.bytes_per_page
+        self._frame_bytes = HEADER_BYTES + self._page_bytes
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="hicache-file")
+        self._dirs: set[str] = set()
+        self._index: OrderedDict[str, int] = OrderedDict()  # path -> bytes, oldest first
+        self._index_bytes = 0
+        self._index_lock = threading.Lock()
+        self._last_scan = 0.0
+        try:
+            self.fs.create_dir(self.root, recursive=True)
+            self._scan(tmp_max_age_s)
+        except OSError as e:  # store unreachable now: start empty, count it
+            self._count(errors=1)
+            log.warning("file store %s: cannot open (%s)", self.root, e)
+
+    # ------------------------------------------------------------------ paths
+    def path(self, key: bytes) -> str:
+        h = key.hex()
+        shards = [h[2 * i : 2 * i + 2] for i in range(self.shard_levels)]
+        return "/".join([self.root, *shards, h + PAGE_SUFFIX])
+
+    def _ensure_dir(self, d: str) -> None:
+        if d not in self._dirs:
+            self.fs.create_dir(d, recursive=True)
+            self._dirs.add(d)
+
+    # ------------------------------------------------------------------ index and sweeping
+    def _scan(self, tmp_max_age_s: float | None = None) -> None:
+        """Rebuild the index from the store (oldest first); remove stale temporary files."""
+        infos = self.fs.get_file_info(pafs.FileSelector(self.root, recursive=True, allow_not_found=True))
+        now = time.time()
+        pages: list[tuple[float, str, int]] = []
+        for fi in infos:
+            if fi.type != pafs.FileType.File:
+                continue
+            mtime = fi.mtime.timestamp() if fi.mtime is not None else 0.0
+            if fi.base_name.endswith(TMP_SUFFIX):
+                if tmp_max_age_s is not None and now - mtime >= tmp_max_age_s:
+                    self._delete_path(fi.path)
+            elif fi.base_name.endswith(PAGE_SUFFIX):
+                pages.append((mtime, fi.path, int(fi.size or 0)))
+        pages.sort()
+        with self._index_lock:
+            self._index = OrderedDict((p, s) for _, p, s in pages)
+            self._index_bytes = sum(s for _, _, s in pages)
+            self._last_scan = time.monotonic()
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of pages the backend knows of (what the size cap is applied to)."""
+        with self._index_lock:
+            return self._index_bytes
+
+    def _note(self, path: str, size: int) -> None:
+        with self._index_lock:
+            old = self._index.pop(path, None)
+            self._index_bytes += size - (old or 0)
+            self._index[path] = size
+
+    def _forget(self, path: str) -> None:
+        with self._index_lock:
+            old = self._index.pop(path, None)
+            if old is not None:
+                self._index_bytes -= old
+
+    def _touch(self, path: str) -> None:
+        with self._index_lock:
+            if path in self._index:
+                self._index.move_to_end(path)
+
+    def _sweep(self) -> None:
+        if self.max_bytes <= 0:
+            return
+        if self.rescan_s > 0 and time.monotonic() - self._last_scan > self.rescan_s:
+            try:
+                self._scan()
+            except OSError as e:
+                log.debug("file store: rescan failed: %s", e)
+        victims: list[str] = []
+        with self._index_lock:
+            if self._index_bytes <= self.max_bytes:
+                return
+            target = int(self.max_bytes * self.sweep_to)
+            while self._index and self._index_bytes > target:
+                p, s = self._index.popitem(last=False)
+                self._index_bytes -= s
+                victims.append(p)
+        for p in victims:
+            self._delete_path(p)
+        self._count_extra("swept_pages", len(victims))
+
+    def _delete_path(self, p: str) -> bool:
+        try:
+            self.fs.delete_file(p)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            log.debug("file store: delete %s failed: %s", p, e)
+            return False
+
+    def _count_extra(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self._stats.extra[name] = self._stats.extra.get(name, 0) + n
+
+    # ------------------------------------------------------------------ batch helpers
+    def _map(self, fn: Callable[[int], int], n: int) -> list[int]:
+        """Run ``fn(i)`` for i in range(n) on the I/O threads; an exception in one page is an ERROR."""
+        def safe(i: int) -> int:
+            try:
+                return fn(i)
+            except FileNotFoundError:
+                return MISS
+            except OSError as e:
+                log.warning("file store %s: %s", self.root, e)
+                return ERROR
+
+        if n == 1:
+            return [safe(0)]
+        return list(self._pool.map(safe, range(n)))
+
+    @staticmethod
+    def _leading(res: list[int]) -> int:
+        n = 0
+        for r in res:
+            if r != OK:
+                break
+            n += 1
+        return n
+
+    # ------------------------------------------------------------------ operations
+    def batch_exists(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        try:
+            infos = self.fs.get_file_info([self.path(k) for k in keys])
+        except OSError as e:
+            self._count(errors=1)
+            log.warning("file store %s: %s", self.root, e)
+            return 0
+        n = 0
+        for fi in infos:
+            if fi.type != pafs.FileType.File:
+                break
+            n += 1
+        return n
+
+    def batch_set(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
+        self._check_lengths(keys, host_indices)
+        ns = self.ctx.namespace_digest
+        page_first = host_pool.host_layout == "page_first"
+
+        def one(i: int) -> int:
+            key, page = keys[i], int(host_indices[i])
+            payload = host_pool.page_view(page) if page_first else memoryview(host_pool.page_bytes(page))
+            header = encode_header(payload, ns, key)
+            final = self.path(key)
+            d = final.rsplit("/", 1)[0]
+            self._ensure_dir(d)
+            target = f"{d}/.{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}" if self.atomic_rename \
+                else final
+            try:
+                with self.fs.open_output_stream(target) as out:
+                    out.write(header)
+                    out.write(payload)
+                if self.atomic_rename:
+                    self.fs.move(target, final)
+            except BaseException:
+                if self.atomic_rename:
+                    self._delete_path(target)
+                raise
+            self._note(final, self._frame_bytes)
+            return OK
+
+        res = self._map(one, len(keys))
+        n = self._leading(res)
+        errors = sum(r == ERROR for r in res)
+        if errors:
+            self._count(errors=errors)
+        self._count(sets=sum(r == OK for r in res), bytes_written=sum(r == OK for r in res) * self._page_bytes)
+        self._sweep()
+        return n
+
+    def batch_get(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
+        self._check_lengths(keys, host_indices)
+        ns = self.ctx.namespace_digest
+        page_first = host_pool.host_layout == "page_first"
+
+        def one(i: int) -> int:
+            key, page = keys[i], int(host_indices[i])
+            p = self.path(key)
+            with self.fs.open_input_file(p) as f:
+                if f.size() != self._frame_bytes:
+                    return CORRUPT
+                header = f.read(HEADER_BYTES)
+                dst = host_pool.page_view(page) if page_first else memoryview(bytearray(self._page_bytes))
+                got = f.readinto(dst)
+            if got != self._page_bytes or encode_header(dst, ns, key) != header:
+                return CORRUPT
+            if not page_first:
+                host_pool.write_page_bytes(page, dst)
+            self._touch(p)
+            return OK
+
+        res = self._map(one, len(keys))
+        n = self._leading(res)
+        bad = [keys[i] for i, r in enumerate(res) if r == CORRUPT]
+        if bad:
+            self._count(corrupt_pages=len(bad))
+            log.warning("file store %s: %d page(s) failed frame verification (treated as misses)",
+                        self.root, len(bad))
+            if self.delete_corrupt:
+                self.delete(bad)
+        errors = sum(r == ERROR for r in res)
+        if errors:
+            self._count(errors=errors)
+        self._count(gets=n, get_misses=len(keys) - n, bytes_read=n * self._page_bytes)
+        return n
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for k in keys:
+            p = self.path(k)
+            if self._delete_path(p):
+                n += 1
+            self._forget(p)
+        return n
+
+    def clear(self) -> None:
+        """Delete every page (and temporary file) under the root."""
+        self.fs.delete_dir_contents(self.root, missing_dir_ok=True)
+        self._dirs.clear()
+        with self._index_lock:
+            self._index.clear()
+            self._index_bytes = 0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

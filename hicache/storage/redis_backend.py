@@ -1,0 +1,617 @@
+"""Redis L3 backend: one instance, Sentinel or Cluster; TLS and AUTH/ACL from the URL.
+
+URLs::
+
+    redis://[user[:password]@]host[:port][/db][?option=value&...]
+    rediss://...                                                     (TLS)
+    redis+sentinel://[user[:password]@]host:port[,host:port...]/service[/db][?...]
+    rediss+sentinel://...
+    redis+cluster://[user[:password]@]host:port[,host:port...][/][?...]
+    rediss+cluster://...
+
+Options (URL query or keyword arguments, keywords win): ``prefix`` (key prefix, default ``"hicache:"``),
+``ttl_s`` (expire pages; 0 = never), ``touch_on_read`` (reads push the TTL out, default true),
+``timeout_s`` (per socket operation), ``connect_timeout_s``, ``max_connections`` (per node),
+``retry_attempts`` / ``retry_base_s`` / ``retry_max_s`` (transient errors), ``breaker_base_s`` /
+``breaker_max_s`` (how long a store that failed is left alone before a probe), ``delete_corrupt``
+(drop a page that failed verification, default true), ``wire`` (``raw``: the zero-copy path of
+:mod:`hicache.storage.resp`, the default; ``pipeline``: plain redis-py pipelines), ``sentinel_password``,
+``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``.
+
+Storage layout: one string value per page, ``<prefix>{<page key hex>}`` -> frame (see
+:mod:`hicache.storage.frame`). The braces are a Cluster hash tag over the page key alone, so the pages of
+one request hash to different slots and spread over every master; a batch is split per master and the
+parts run in parallel, each one pipelined on one connection.
+
+Failure model: every operation is retried on transient errors with backoff; when it still fails the
+error is counted, the operation reports a miss / nothing stored, and a circuit breaker keeps later
+operations off the store until a probe succeeds (:mod:`hicache.storage.retry`). Nothing raises into the
+caller. Connections are re-established by themselves when the store returns; a Cluster's slot map is
+refreshed after redirects and errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, unquote, urlencode, urlparse
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
+from redis.sentinel import Sentinel
+
+from hicache.pool import HostPool
+from hicache.storage.base import StorageBackend, StorageContext, register_backend
+from hicache.storage.frame import HEADER_BYTES, FrameError, decode_frame, encode_header
+from hicache.storage.resp import ReplyError, RespReader, bulk_head, pack
+from hicache.storage.retry import CircuitBreaker, RetryPolicy, call_with_retry
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+OK, MISS, CORRUPT = 0, 1, 2
+_TRANSIENT_REPLIES = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "MASTERDOWN", "READONLY", "BUSY")
+
+
+@dataclass(frozen=True)
+class RedisOptions:
+    prefix: str = "hicache:"
+    ttl_s: float = 0.0
+    touch_on_read: bool = True
+    timeout_s: float = 5.0
+    connect_timeout_s: float = 1.0
+    max_connections: int = 64
+    retry_attempts: int = 3
+    retry_base_s: float = 0.02
+    retry_max_s: float = 0.5
+    breaker_base_s: float = 0.25
+    breaker_max_s: float = 5.0
+    delete_corrupt: bool = True
+    wire: str = "raw"
+    sentinel_password: str = ""
+    ssl_ca_certs: str = ""
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
+    ssl_cert_reqs: str = "required"
+
+    def __post_init__(self) -> None:
+        if "{" in self.prefix or "}" in self.prefix:
+            raise ValueError(f"redis prefix: must not contain braces (hash tags), got {self.prefix!r}")
+        if self.ttl_s < 0:
+            raise ValueError(f"redis ttl_s: must be >= 0, got {self.ttl_s}")
+        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("redis timeout_s / connect_timeout_s: must be > 0")
+        if self.max_connections < 1:
+            raise ValueError(f"redis max_connections: must be >= 1, got {self.max_connections}")
+        if self.wire not in ("raw", "pipeline"):
+            raise ValueError(f"redis wire: must be 'raw' or 'pipeline', got {self.wire!r}")
+        if self.ssl_cert_reqs not in ("required", "optional", "none"):
+            raise ValueError(f"redis ssl_cert_reqs: must be required|optional|none, got {self.ssl_cert_reqs!r}")
+        RetryPolicy(self.retry_attempts, self.retry_base_s, self.retry_max_s)  # validates
+
+    @classmethod
+    def parse(cls, query: Mapping[str, str], kwargs: Mapping[str, Any]) -> tuple[RedisOptions, dict[str, str]]:
+        """Options from the URL query (strings) and keyword arguments; returns the unknown query rest."""
+        types = {f.name: f.type for f in fields(cls)}
+        values: dict[str, Any] = {}
+        rest: dict[str, str] = {}
+        for k, v in query.items():
+            if k in types:
+                values[k] = _coerce(k, v, str(types[k]))
+            else:
+                rest[k] = v
+        for k, v in kwargs.items():
+            if k not in types:
+                raise ValueError(f"redis: unknown option {k!r}; known: {sorted(types)}")
+            values[k] = _coerce(k, v, str(types[k])) if isinstance(v, str) else v
+        return cls(**values), rest
+
+
+def _coerce(name: str, v: str, typ: str) -> Any:
+    try:
+        if typ == "bool":
+            if v.lower() in ("1", "true", "yes", "on"):
+                return True
+            if v.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(v)
+        if typ == "int":
+            return int(v)
+        if typ == "float":
+            return float(v)
+    except ValueError:
+        raise ValueError(f"redis option {name}: cannot read {v!r} as {typ}") from None
+    return v
+
+
+def _hosts(netloc: str, default_port: int) -> tuple[str | None, str | None, list[tuple[str, int]]]:
+    """``user:pass@h1:p1,h2:p2`` -> (user, password, [(host, port), ...])."""
+    user = password = None
+    if "@" in netloc:
+        cred, netloc = netloc.rsplit("@", 1)
+        if ":" in cred:
+            u, p = cred.split(":", 1)
+            user, password = unquote(u) or None, unquote(p)
+        else:
+            password = unquote(cred)
+    out = []
+    for part in netloc.split(","):
+        if not part:
+            continue
+        if part.startswith("["):  # [ipv6]:port
+            host, _, port = part[1:].partition("]")
+            port = port.lstrip(":")
+        else:
+            host, _, port = part.rpartition(":") if ":" in part else (part, "", "")
+        try:
+            out.append((host, int(port) if port else default_port))
+        except ValueError:
+            raise ValueError(f"redis url: bad port in {part!r}") from None
+    if not out:
+        raise ValueError("redis url: no host given")
+    return user, password, out
+
+
+def is_transient(e: BaseException) -> bool:
+    """Errors worth a retry (and that mean the store, not the caller, is in trouble)."""
+    if isinstance(e, ReplyError):
+        return e.kind in _TRANSIENT_REPLIES
+    if isinstance(e, redis.exceptions.ResponseError):
+        return str(e).split(" ", 1)[0] in _TRANSIENT_REPLIES
+    return isinstance(e, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                          redis.exceptions.RedisClusterException, ConnectionError, TimeoutError, OSError))
+
+
+@dataclass
+class _Item:
+    """One page of a batch, routed to a node."""
+
+    pos: int  # index in the caller's batch
+    rkey: bytes  # Redis key
+    key: bytes  # page key
+    page: int  # host page index
+
+
+@register_backend("redis", "rediss", "redis+sentinel", "rediss+sentinel", "redis+cluster", "rediss+cluster")
+class RedisBackend(StorageBackend):
+    """See the module docstring. Thread-safe; construction never connects (a down store is not an error)."""
+
+    scheme = "redis"
+
+    def __init__(self, url: str, ctx: StorageContext, **options: Any) -> None:
+        super().__init__(url, ctx, **options)
+        u = urlparse(url)
+        self.scheme = u.scheme
+        query = dict(parse_qsl(u.query))
+        self.opts, rest = RedisOptions.parse(query, options)
+        o = self.opts
+        self._prefix = o.prefix.encode()
+        self._page_bytes = ctx.layout.bytes_per_page
+        self._frame_bytes = HEADER_BYTES + self._page_bytes
+        self._retry = RetryPolicy(o.retry_attempts, o.retry_base_s, o.retry_max_s)
+        self._breaker = CircuitBreaker(o.breaker_base_s, o.breaker_max_s)
+        self._tls = u.scheme.startswith("rediss")
+        self._cluster: RedisCluster | None = None
+        self._cluster_lock = threading.Lock()
+        self._nodes_pool: ThreadPoolExecutor | None = None
+        self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-redis-hash")
+        conn_kw: dict[str, Any] = dict(
+            socket_timeout=o.timeout_s, socket_connect_timeout=o.connect_timeout_s,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        if self._tls:
+            conn_kw.update(ssl=True, ssl_cert_reqs=o.ssl_cert_reqs, ssl_ca_certs=o.ssl_ca_certs or None,
+                           ssl_certfile=o.ssl_certfile or None, ssl_keyfile=o.ssl_keyfile or None)
+        self._client: redis.Redis | None = None
+        if u.scheme in ("redis", "rediss"):
+            base = u._replace(query=urlencode(rest)).geturl()
+            kw = {k: v for k, v in conn_kw.items() if not k.startswith("ssl")}
+            if self._tls:
+                kw.update(ssl_cert_reqs=o.ssl_cert_reqs, ssl_ca_certs=o.ssl_ca_certs or None,
+                          ssl_certfile=o.ssl_certfile or None, ssl_keyfile=o.ssl_keyfile or None)
+            pool = redis.ConnectionPool.from_url(base, max_connections=o.max_connections, **kw)
+            self._client = redis.Redis(connection_pool=pool)
+        elif u.scheme.endswith("+sentinel"):
+            user, password, hosts = _hosts(u.netloc, 26379)
+            parts = [p for p in u.path.split("/") if p]
+            if not parts:
+                raise ValueError(f"redis url: sentinel URL needs a service name: {url!r}")
+            service, db = parts[0], int(parts[1]) if len(parts) > 1 else 0
+            skw: dict[str, Any] = dict(socket_timeout=o.timeout_s, socket_connect_timeout=o.connect_timeout_s)
+            if o.sentinel_password:
+                skw["password"] = o.sentinel_password
+            sentinel = Sentinel(hosts, sentinel_kwargs=skw, **conn_kw)
+            self._client = sentinel.master_for(service, username=user, password=password, db=db,
+                                               max_connections=o.max_connections)
+        else:  # cluster
+            user, password, hosts = _hosts(u.netloc, 6379)
+            self._cluster_args = dict(startup_nodes=[ClusterNode(h, p) for h, p in hosts], username=user,
+                                      password=password, max_connections=o.max_connections, **conn_kw)
+
+    # ------------------------------------------------------------------ keys and routing
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key of a page: ``<prefix>{<hex>}`` (the braces are the Cluster hash tag)."""
+        return b"%s{%s}" % (self._prefix, key.hex().encode())
+
+    def _get_cluster(self) -> RedisCluster:
+        with self._cluster_lock:
+            if self._cluster is None:
+                self._cluster = RedisCluster(**self._cluster_args)
+            return self._cluster
+
+    def _refresh(self, _e: BaseException | None = None) -> None:
+        """After an error on a Cluster: re-read the slot map (best effort)."""
+        self._count_extra("retries")
+        if self._cluster is None:
+            return
+        try:
+            self._cluster.nodes_manager.initialize()
+        except Exception as e:  # the cluster is (still) down; the next attempt decides
+            log.debug("redis cluster: slot map refresh failed: %s", e)
+
+    def _route(self, items: list[_Item]) -> list[tuple[redis.Redis, list[_Item]]]:
+        if self._client is not None:
+            return [(self._client, items)]
+        rc = self._get_cluster()
+        groups: dict[str, tuple[redis.Redis, list[_Item]]] = {}
+        for it in items:
+            node = rc.nodes_manager.get_node_from_slot(rc.keyslot(it.rkey))
+            g = groups.get(node.name)
+            if g is None:
+                client = node.redis_connection
+                if client is None:
+                    raise redis.exceptions.ConnectionError(f"redis cluster: no connection to {node.name}")
+                g = groups[node.name] = (client, [])
+            g[1].append(it)
+        return list(groups.values())
+
+    def _scatter(self, items: list[_Item], fn: Callable[[redis.Redis, list[_Item]], list[int]]) -> list[int]:
+        """Run ``fn`` per node (in parallel when there are several); results by batch position."""
+        groups = self._route(items)
+        out = [MISS] * len(items)
+        if len(groups) == 1:
+            client, its = groups[0]
+            for it, r in zip(its, fn(client, its), strict=True):
+                out[it.pos] = r
+            return out
+        if self._nodes_pool is None:
+            with self._cluster_lock:
+                if self._nodes_pool is None:
+                    self._nodes_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="hicache-redis-node")
+        futs = [(its, self._nodes_pool.submit(fn, client, its)) for client, its in groups]
+        err: BaseException | None = None
+        for its, f in futs:
+            try:
+                for it, r in zip(its, f.result(), strict=True):
+                    out[it.pos] = r
+            except Exception as e:
+                err = err or e
+        if err is not None:
+            raise err
+        return out
+
+    def _run(self, items: list[_Item], fn: Callable[[redis.Redis, list[_Item]], list[int]]) -> list[int] | None:
+        """One batched operation with retries and the breaker; None when the store failed."""
+        if not items:
+            return []
+        if not self._breaker.allow():
+            self._count(errors=1)
+            self._count_extra("breaker_skips")
+            return None
+        try:
+            res = call_with_retry(lambda: self._scatter(items, fn), self._retry, is_transient, self._refresh)
+        except Exception as e:
+            self._count(errors=1)
+            if is_transient(e):
+                self._breaker.failure()
+                log.warning("redis %s: store unavailable (%s); L3 paused", self.url_safe, e)
+            else:
+                self._breaker.success()
+                log.warning("redis %s: operation failed: %r", self.url_safe, e)
+            return None
+        self._breaker.success()
+        return res
+
+    @property
+    def url_safe(self) -> str:
+        u = urlparse(self.url)
+        return u._replace(netloc=u.netloc.rsplit("@", 1)[-1], query="").geturl()
+
+    def _count_extra(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self._stats.extra[name] = self._stats.extra.get(name, 0) + n
+
+    def _items(self, keys: Sequence[bytes], pages: Sequence[int] | None = None) -> list[_Item]:
+        return [_Item(i, self.redis_key(k), k, int(pages[i]) if pages is not None else -1)
+                for i, k in enumerate(keys)]
+
+    # ------------------------------------------------------------------ connection plumbing
+    def _on_conn(self, client: redis.Redis, fn: Callable[[Any, Any], list[int]]) -> list[int]:
+        """Borrow a connection; ``fn(conn, sock)`` must read every reply it asked for. Any exception
+        drops the connection (its reply stream is no longer in step)."""
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        ok = False
+        try:
+            sock = getattr(conn, "_sock", None)
+            if sock is None:
+                conn.connect()
+                sock = conn._sock
+            res = fn(conn, sock)
+            ok = True
+            return res
+        finally:
+            if not ok:
+                conn.disconnect()
+            pool.release(conn)
+
+    @staticmethod
+    def _raise_transient(errors: list[ReplyError]) -> None:
+        for e in errors:
+            if e.kind in _TRANSIENT_REPLIES:
+                raise e
+
+    # ------------------------------------------------------------------ exists / delete
+    def _ints(self, cmd: bytes) -> Callable[[redis.Redis, list[_Item]], list[int]]:
+        def node(client: redis.Redis, its: list[_Item]) -> list[int]:
+            if self.opts.wire == "pipeline":
+                p = client.pipeline(transaction=False)
+                for it in its:
+                    p.execute_command(cmd.decode(), it.rkey)
+                res = p.execute(raise_on_error=False)
+                for r in res:
+                    if isinstance(r, Exception):
+                        raise r
+                return [int(r) for r in res]
+
+            def io(conn: Any, sock: Any) -> list[int]:
+                conn.send_packed_command([b"".join(pack(cmd, it.rkey) for it in its)], check_health=False)
+                rd = RespReader(sock)
+                out = [rd.read_int() for _ in its]
+                if rd.buffered:
+                    raise ConnectionError("redis: unexpected extra reply bytes")
+                return out
+
+            return self._on_conn(client, io)
+
+        return node
+
+    def batch_exists(self, keys: Sequence[bytes]) -> int:
+        res = self._run(self._items(keys), self._ints(b"EXISTS"))
+        if res is None:
+            return 0
+        n = 0
+        for r in res:
+            if r <= 0:
+                break
+            n += 1
+        return n
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        res = self._run(self._items(keys), self._ints(b"DEL"))
+        return 0 if res is None else sum(res)
+
+    # ------------------------------------------------------------------ set
+    def _payload(self, host_pool: HostPool, page: int) -> memoryview:
+        if host_pool.host_layout == "page_first":
+            return host_pool.page_view(page)
+        return memoryview(host_pool.page_bytes(page))
+
+    def _set_suffix(self) -> bytes:
+        if self.opts.ttl_s > 0:
+            ms = str(max(1, int(self.opts.ttl_s * 1000))).encode()
+            return b"\r\n" + pack(b"PX", ms)[4:]  # "$2\r\nPX\r\n$n\r\nms\r\n" (drop the "*2\r\n")
+        return b"\r\n"
+
+    def batch_set(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
+        self._check_lengths(keys, host_indices)
+        items = self._items(keys, host_indices)
+        ns = self.ctx.namespace_digest
+        suffix = self._set_suffix()
+        nargs = b"*5\r\n" if self.opts.ttl_s > 0 else b"*3\r\n"
+
+        def node(client: redis.Redis, its: list[_Item]) -> list[int]:
+            payloads = [self._payload(host_pool, it.page) for it in its]
+            # Checksums on a helper thread, ahead of the socket (hashlib releases the GIL).
+            heads: list[Future[bytes]] = [self._hasher.submit(encode_header, p, ns, it.key)
+                                          for p, it in zip(payloads, its, strict=True)]
+            if self.opts.wire == "pipeline":
+                p = client.pipeline(transaction=False)
+                for it, pl, h in zip(its, payloads, heads, strict=True):
+                    val = h.result() + bytes(pl)
+                    if self.opts.ttl_s > 0:
+                        p.set(it.rkey, val, px=max(1, int(self.opts.ttl_s * 1000)))
+                    else:
+                        p.set(it.rkey, val)
+                res = p.execute(raise_on_error=False)
+                errs = [r for r in res if isinstance(r, Exception)]
+                for e in errs:
+                    if is_transient(e):
+                        raise e
+                return [MISS if isinstance(r, Exception) else OK for r in res]
+
+            def io(conn: Any, sock: Any) -> list[int]:
+                lead = b""
+                for it, pl, h in zip(its, payloads, heads, strict=True):
+                    head = b"".join((lead, nargs, b"$3\r\nSET\r\n", bulk_head(len(it.rkey)), it.rkey, b"\r\n",
+                                     bulk_head(len(pl) + HEADER_BYTES), h.result()))
+                    conn.send_packed_command([head, pl], check_health=False)
+                    lead = suffix
+                conn.send_packed_command([suffix], check_health=False)
+                rd = RespReader(sock)
+                replies = [rd.read_reply_or_error() for _ in its]
+                if rd.buffered:
+                    raise ConnectionError("redis: unexpected extra reply bytes")
+                errs = [r for r in replies if isinstance(r, ReplyError)]
+                self._raise_transient(errs)
+                if errs:
+                    log.warning("redis set: %s", errs[0])
+                return [MISS if isinstance(r, ReplyError) else OK for r in replies]
+
+            return self._on_conn(client, io)
+
+        res = self._run(items, node)
+        if res is None:
+            return 0
+        n = 0
+        for r in res:
+            if r != OK:
+                break
+            n += 1
+        if n < len(res):
+            self._count(errors=1)
+        self._count(sets=n, bytes_written=n * self._page_bytes)
+        return n
+
+    # ------------------------------------------------------------------ get
+    def _verify(self, header: bytes, payload: memoryview, key: bytes) -> bool:
+        return encode_header(payload, self.ctx.namespace_digest, key) == header
+
+    def batch_get(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
+        self._check_lengths(keys, host_indices)
+        items = self._items(keys, host_indices)
+        zero_copy = host_pool.host_layout == "page_first"
+        ttl_ms = str(max(1, int(self.opts.ttl_s * 1000))).encode() if self.opts.ttl_s > 0 else b""
+        touch = bool(ttl_ms) and self.opts.touch_on_read
+
+        def cmd(it: _Item) -> bytes:
+            return pack(b"GETEX", it.rkey, b"PX", ttl_ms) if touch else pack(b"GET", it.rkey)
+
+        def node(client: redis.Redis, its: list[_Item]) -> list[int]:
+            if self.opts.wire == "pipeline":
+                p = client.pipeline(transaction=False)
+                for it in its:
+                    if touch:
+                        p.getex(it.rkey, px=int(ttl_ms))
+                    else:
+                        p.get(it.rkey)
+                res = p.execute(raise_on_error=False)
+                out = []
+                for it, blob in zip(its, res, strict=True):
+                    if isinstance(blob, Exception):
+                        if is_transient(blob):
+                            raise blob
+                        out.append(MISS)
+                    elif blob is None:
+                        out.append(MISS)
+                    else:
+                        try:
+                            pl = decode_frame(blob, self.ctx.namespace_digest, it.key, self._page_bytes)
+                        except FrameError:
+                            out.append(CORRUPT)
+                            continue
+                        if zero_copy:
+                            host_pool.page_view(it.page)[:] = pl
+                        else:
+                            host_pool.write_page_bytes(it.page, pl)
+                        out.append(OK)
+                return out
+
+            def io(conn: Any, sock: Any) -> list[int]:
+                conn.send_packed_command([b"".join(cmd(it) for it in its)], check_health=False)
+                rd = RespReader(sock)
+                out = [MISS] * len(its)
+                checks: list[tuple[int, Future[bool]]] = []
+                errs: list[ReplyError] = []
+                for j, it in enumerate(its):
+                    try:
+                        n = rd.read_bulk_len()
+                    except ReplyError as e:
+                        errs.append(e)
+                        continue
+                    if n < 0:
+                        continue
+                    if n != self._frame_bytes:  # wrong size: not one of our pages
+                        rd.skip(n)
+                        rd.expect_crlf()
+                        out[j] = CORRUPT
+                        continue
+                    header = bytearray(HEADER_BYTES)
+                    rd.readinto(memoryview(header))
+                    if zero_copy:
+                        dst = host_pool.page_view(it.page)
+                        rd.readinto(dst)
+                        rd.expect_crlf()
+                        checks.append((j, self._hasher.submit(self._verify, bytes(header), dst, it.key)))
+                    else:
+                        buf = bytearray(self._page_bytes)
+                        rd.readinto(memoryview(buf))
+                        rd.expect_crlf()
+                        if self._verify(bytes(header), memoryview(buf), it.key):
+                            host_pool.write_page_bytes(it.page, memoryview(buf))
+                            out[j] = OK
+                        else:
+                            out[j] = CORRUPT
+                if rd.buffered:
+                    raise ConnectionError("redis: unexpected extra reply bytes")
+                for j, f in checks:
+                    out[j] = OK if f.result() else CORRUPT
+                self._raise_transient(errs)
+                return out
+
+            return self._on_conn(client, io)
+
+        res = self._run(items, node)
+        if res is None:
+            self._count(get_misses=len(keys))
+            return 0
+        n = 0
+        for r in res:
+            if r != OK:
+                break
+            n += 1
+        bad = [items[i].key for i, r in enumerate(res) if r == CORRUPT]
+        if bad:
+            self._count(corrupt_pages=len(bad))
+            log.warning("redis get: %d page(s) failed frame verification (treated as misses)", len(bad))
+            if self.opts.delete_corrupt:
+                self.delete(bad)
+        self._count(gets=n, get_misses=len(keys) - n, bytes_read=n * self._page_bytes)
+        return n
+
+    # ------------------------------------------------------------------ admin
+    def _all_clients(self) -> list[redis.Redis]:
+        if self._client is not None:
+            return [self._client]
+        rc = self._get_cluster()
+        return [n.redis_connection for n in rc.get_primaries() if n.redis_connection is not None]
+
+    def clear(self) -> int:
+        """Delete every page under this backend's prefix (all masters); returns how many. Raises on a
+        store that is down (an admin operation, not a request path)."""
+        n = 0
+        for c in self._all_clients():
+            keys = list(c.scan_iter(match=self._prefix + b"{*}", count=1000))
+            for lo in range(0, len(keys), 1000):
+                p = c.pipeline(transaction=False)
+                for k in keys[lo : lo + 1000]:
+                    p.unlink(k)  # one key per command: keys of one node may sit in different slots
+                n += sum(int(r) for r in p.execute())
+        return n
+
+    def key_counts(self) -> dict[str, int]:
+        """Pages under this prefix per master (``host:port`` -> count): how a Cluster spreads them."""
+        out: dict[str, int] = {}
+        for c in self._all_clients():
+            kw = c.connection_pool.connection_kwargs
+            out[f"{kw.get('host')}:{kw.get('port')}"] = sum(
+                1 for _ in c.scan_iter(match=self._prefix + b"{*}", count=1000))
+        return out
+
+    def close(self) -> None:
+        self._hasher.shutdown(wait=True)
+        if self._nodes_pool is not None:
+            self._nodes_pool.shutdown(wait=True)
+        try:
+            if self._client is not None:
+                self._client.close()
+                self._client.connection_pool.disconnect()
+            if self._cluster is not None:
+                self._cluster.close()
+        except Exception as e:  # closing a dead connection
+            log.debug("redis close: %s", e)
