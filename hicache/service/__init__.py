@@ -1,0 +1,13 @@
+"""The node service: ``hicache serve`` speaks gRPC (``proto/hicache/v1/hicache.proto``) beside an engine.
+
+* :mod:`.server`       -- builds and runs the grpc.aio server (uvloop, TLS/mTLS, auth, health, reflection,
+  bounded concurrency, graceful SIGTERM with an L3 flush).
+* :mod:`.servicer`     -- the RPC handlers over one :class:`hicache.cache.HiCache`.
+* :mod:`.validation`   -- request checks: every rejected call is refused before the cache is touched.
+* :mod:`.requests`     -- open requests by client-chosen id (ownership of locks and pages, idle expiry).
+* :mod:`.events`       -- the event hub behind WatchEvents (gap-free sequence numbers, snapshots).
+* :mod:`.shared_pool`  -- the L1 pool in shared memory (CPU) or CUDA IPC-exportable memory (GPU).
+* :mod:`.auth`         -- bearer-token interceptor.
+* :mod:`.metrics_http` -- RPC metrics and the Prometheus ``/metrics`` HTTP endpoint.
+* :mod:`.cli`          -- ``hicache serve --config FILE`` (flags override the file).
+"""

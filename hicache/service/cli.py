@@ -1,0 +1,87 @@
+"""``hicache serve``: run the node service.
+
+    hicache serve --config node.yaml [--port 50051] [--metrics-port 9400] [--storage-url file:///var/hicache] ...
+
+Precedence: the YAML file < ``HICACHE_<SECTION>__<FIELD>`` environment variables < flags. The bearer token
+is best passed as ``HICACHE_SERVE__AUTH_TOKEN`` (flags show up in ``ps``). On start it prints
+``hicache serve: listening on HOST:PORT``; SIGTERM shuts down gracefully (see :mod:`.server`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from hicache.config import load_config
+
+# flag dest -> (section, field)
+_FLAGS: dict[str, tuple[str, str]] = {
+    "host": ("serve", "host"),
+    "port": ("serve", "port"),
+    "metrics_port": ("serve", "metrics_port"),
+    "max_concurrency": ("serve", "max_concurrency"),
+    "max_message_bytes": ("serve", "max_message_bytes"),
+    "max_request_tokens": ("serve", "max_request_tokens"),
+    "auth_token": ("serve", "auth_token"),
+    "tls_cert": ("serve", "tls_cert"),
+    "tls_key": ("serve", "tls_key"),
+    "tls_client_ca": ("serve", "tls_client_ca"),
+    "shutdown_grace_s": ("serve", "shutdown_grace_s"),
+    "shared_pool": ("serve", "shared_pool"),
+    "storage_url": ("storage", "url"),
+    "device": ("cache", "device"),
+    "l1_tokens": ("cache", "l1_tokens"),
+    "l2_tokens": ("cache", "l2_tokens"),
+    "write_policy": ("cache", "write_policy"),
+    "model": ("model", "name"),
+    "revision": ("model", "revision"),
+}
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve", help="run the gRPC node service", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="YAML config (sections model, layout, cache, storage, serve)")
+    g = p.add_argument_group("overrides (win over the file and the environment)")
+    g.add_argument("--host")
+    g.add_argument("--port", type=int)
+    g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: off)")
+    g.add_argument("--max-concurrency", type=int, help="RPCs in flight before RESOURCE_EXHAUSTED")
+    g.add_argument("--max-message-bytes", type=int)
+    g.add_argument("--max-request-tokens", type=int)
+    g.add_argument("--auth-token", help="require 'authorization: Bearer TOKEN' (prefer HICACHE_SERVE__AUTH_TOKEN)")
+    g.add_argument("--tls-cert", metavar="PEM")
+    g.add_argument("--tls-key", metavar="PEM")
+    g.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA (mTLS)")
+    g.add_argument("--shutdown-grace-s", type=float)
+    g.add_argument("--shared-pool", action=argparse.BooleanOptionalAction, default=None,
+                   help="share the L1 pool with clients on this host (shared memory / CUDA IPC)")
+    g.add_argument("--storage-url", help="L3 store: memory://, redis://..., file:///path, ... ('' disables)")
+    g.add_argument("--device", help="L1 device: cpu | cuda[:N]")
+    g.add_argument("--l1-tokens", type=int)
+    g.add_argument("--l2-tokens", type=int)
+    g.add_argument("--write-policy")
+    g.add_argument("--model")
+    g.add_argument("--revision")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for dest, (section, name) in _FLAGS.items():
+        v = getattr(args, dest, None)
+        if v is not None:
+            out.setdefault(section, {})[name] = v
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(args.config, overrides=overrides_from_args(args))
+    from hicache.service.server import run as run_server
+
+    return run_server(config)

@@ -1,0 +1,84 @@
+"""Open requests by client-chosen id.
+
+A Match opens a :class:`hicache.cache.Request` under an id; Allocate, Prefetch and Commit act on it and
+Release closes it. The table is what makes page ownership enforceable: a request owns the L1 prefix it
+locked and the pages Allocate gave it, and only its own id reaches them. Calls on one id run one at a
+time (``Entry.lock``). Requests idle for longer than ``idle_ttl_s`` (a client that died) are released by
+:meth:`RequestTable.expire` so their locks cannot pin the cache forever.
+
+All methods run on the event loop thread (no locking needed for the dict itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from hicache.cache import Request
+from hicache.service.validation import ServiceError
+
+MAX_ID_BYTES = 128
+
+
+@dataclass
+class Entry:
+    request_id: str
+    request: Request | None = None  # None while the opening Match is still running
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class RequestTable:
+    def __init__(self, idle_ttl_s: float = 600.0) -> None:
+        self.idle_ttl_s = idle_ttl_s
+        self._entries: dict[str, Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def reserve(self, request_id: str) -> Entry:
+        """Claim ``request_id`` for a Match about to run (ALREADY_EXISTS when it is open)."""
+        if len(request_id.encode()) > MAX_ID_BYTES:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: longer than {MAX_ID_BYTES} bytes")
+        if request_id in self._entries:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r}: already open")
+        e = Entry(request_id)
+        self._entries[request_id] = e
+        return e
+
+    def drop(self, request_id: str) -> None:
+        self._entries.pop(request_id, None)
+
+    def get(self, request_id: str) -> Entry:
+        """The open entry for ``request_id`` (NOT_FOUND when unknown or released)."""
+        if not request_id:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
+        e = self._entries.get(request_id)
+        if e is None or e.request is None:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                               f"request_id {request_id!r}: no open request (never matched, or already released)")
+        e.last_used = time.monotonic()
+        return e
+
+    def pop(self, request_id: str) -> Entry:
+        e = self.get(request_id)
+        del self._entries[request_id]
+        return e
+
+    def expired(self, now: float | None = None) -> list[Entry]:
+        """Remove and return the entries idle for longer than the TTL (their requests are still open)."""
+        now = time.monotonic() if now is None else now
+        old = [e for e in self._entries.values()
+               if e.request is not None and not e.lock.locked() and now - e.last_used > self.idle_ttl_s]
+        for e in old:
+            del self._entries[e.request_id]
+        return old
+
+    def drain(self) -> list[Entry]:
+        """Remove and return every open entry (shutdown)."""
+        out = [e for e in self._entries.values() if e.request is not None]
+        self._entries.clear()
+        return out

@@ -1,0 +1,182 @@
+"""The node server: grpc.aio on uvloop around one :class:`hicache.cache.HiCache`.
+
+``NodeServer(config).start()`` builds the L1 pool (shared with clients on this host when
+``serve.shared_pool``), the cache, the event hub and the gRPC server with:
+
+* ``hicache.v1.HiCache`` (:mod:`.servicer`), ``grpc.health.v1.Health`` and server reflection;
+* max message sizes (``serve.max_message_bytes``), bounded concurrency (``serve.max_concurrency``);
+* TLS (``serve.tls_cert``/``tls_key``), mTLS (``serve.tls_client_ca``), a bearer token (``serve.auth_token``);
+* Prometheus ``/metrics`` on ``serve.metrics_port`` (0: off).
+
+``stop()`` is the graceful shutdown SIGTERM triggers: health goes NOT_SERVING, event streams end, the
+server stops accepting and lets in-flight RPCs finish (up to ``serve.shutdown_grace_s``), open requests
+are released, then ``cache.close()`` flushes pending L3 writebacks and every page not written is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import uuid
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from hicache.cache import HiCache
+from hicache.config import HiCacheConfig
+from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
+from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicache.service.auth import BearerTokenInterceptor
+from hicache.service.events import EventHub
+from hicache.service.metrics_http import MetricsServer, ServiceMetrics
+from hicache.service.servicer import HiCacheServicer
+from hicache.service.shared_pool import SharedPool
+from hicache.storage.base import StorageBackend
+from hicache.storage.writeback import FlushReport
+
+log = logging.getLogger("hicache.service")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HiCache"].full_name
+
+
+def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCredentials:
+    """TLS with ``cert``/``key``; with ``client_ca`` clients must present a certificate it signed (mTLS)."""
+    ca = Path(client_ca).read_bytes() if client_ca else None
+    return grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
+class NodeServer:
+    def __init__(self, config: HiCacheConfig, storage: StorageBackend | None = None,
+                 request_ttl_s: float = 600.0) -> None:
+        self.config = config
+        self._storage = storage
+        self.request_ttl_s = request_ttl_s
+        self.port = 0
+        self.metrics_port = 0
+        self.server_id = uuid.uuid4().hex[:16]
+        self.cache: HiCache | None = None
+        self.shared: SharedPool | None = None
+        self._metrics_http: MetricsServer | None = None
+        self._reaper: asyncio.Task[None] | None = None
+        self._stopped: FlushReport | bool | None = False
+
+    async def start(self) -> None:
+        cfg = self.config
+        s = cfg.serve
+        loop = asyncio.get_running_loop()
+        if s.shared_pool:
+            self.shared = SharedPool(cfg.layout.to_layout(), cfg.l1_pages, cfg.cache.device)
+        try:
+            self.cache = HiCache(cfg, storage=self._storage,
+                                 device_pool=self.shared.pool if self.shared is not None else None)
+        except BaseException:
+            if self.shared is not None:
+                self.shared.close()
+            raise
+        self.hub = EventHub(loop, self.server_id)
+        self.cache.add_listener(self.hub.on_tree_event)
+        self.metrics = ServiceMetrics(self.cache.metrics.registry)
+        self.servicer = HiCacheServicer(self.cache, s, self.metrics, self.hub, self.shared, self.request_ttl_s)
+        interceptors = [BearerTokenInterceptor(s.auth_token)] if s.auth_token else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ])
+        pb_grpc.add_HiCacheServicer_to_server(self.servicer, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server)
+        addr = f"{s.host}:{s.port}"
+        if s.tls_cert:
+            self.port = self.server.add_secure_port(addr, server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca))
+        else:
+            self.port = self.server.add_insecure_port(addr)
+        if self.port == 0:
+            raise OSError(f"serve: cannot bind {addr}")
+        if s.metrics_port:
+            self._metrics_http = MetricsServer(self.cache.metrics.registry, s.host, s.metrics_port)
+            self.metrics_port = self._metrics_http.port
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._reaper = asyncio.create_task(self._expire_loop())
+        log.info("hicache serve: %s on %s:%d (pool %s, %d L1 pages, layout %s)", self.server_id, s.host, self.port,
+                 self.shared.kind if self.shared else "private", cfg.l1_pages, cfg.layout.to_layout().describe())
+
+    async def _expire_loop(self) -> None:
+        period = max(0.5, min(60.0, self.request_ttl_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            n = await self.servicer.expire_idle()
+            if n:
+                log.warning("released %d requests idle for more than %.0f s", n, self.request_ttl_s)
+
+    async def stop(self, grace_s: float | None = None) -> FlushReport | None:
+        """Graceful shutdown; returns the L3 flush report (None without L3). Idempotent."""
+        if self._stopped is not False:
+            return self._stopped if isinstance(self._stopped, FlushReport) else None
+        assert self.cache is not None
+        grace = self.config.serve.shutdown_grace_s if grace_s is None else grace_s
+        log.info("shutting down: finishing in-flight RPCs (grace %.1f s)", grace)
+        await self.health.enter_graceful_shutdown()
+        self.hub.close()
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await self.server.stop(grace)
+        released = await self.servicer.release_all()
+        if released:
+            log.info("released %d requests still open", released)
+        report = await asyncio.to_thread(self.cache.close)
+        self._log_flush(report)
+        if self._metrics_http is not None:
+            self._metrics_http.close()
+        if self.shared is not None:
+            self.shared.close()
+        self._stopped = report if report is not None else True
+        return report
+
+    @staticmethod
+    def _log_flush(report: FlushReport | None) -> None:
+        if report is None:
+            log.info("no L3 store: nothing to flush")
+            return
+        lost = report.failed_pages + report.dropped_pages + report.pending_pages
+        log.info("L3 flush: %d pages written", report.written_pages)
+        if lost:
+            log.error("L3 flush: %d pages NOT written (store refused %d, dropped on a full queue %d, still queued "
+                      "at the deadline %d)", lost, report.failed_pages, report.dropped_pages, report.pending_pages)
+
+
+async def serve_until_signal(config: HiCacheConfig, ready: asyncio.Event | None = None,
+                             announce: bool = True) -> FlushReport | None:
+    """Run until SIGTERM / SIGINT, then shut down gracefully. Prints one ``listening on`` line when up."""
+    node = NodeServer(config)
+    await node.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if announce:
+        extra = f" metrics http://{config.serve.host}:{node.metrics_port}/metrics" if node.metrics_port else ""
+        print(f"hicache serve: listening on {config.serve.host}:{node.port}{extra}", flush=True)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    return await node.stop()
+
+
+def run(config: HiCacheConfig) -> int:
+    """Blocking entry point: uvloop when available, then :func:`serve_until_signal`."""
+    import uvloop
+
+    uvloop.run(serve_until_signal(config))
+    return 0

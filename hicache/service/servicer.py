@@ -1,0 +1,493 @@
+"""RPC handlers of ``hicache.v1.HiCache`` over one :class:`hicache.cache.HiCache`.
+
+Hot path: Match runs inline on the event loop (a radix walk and the page-key hashes: ~0.1 ms for 8k
+tokens) unless it must ask the L3 store; anything that waits (L3 lookups, prefetch, L2 -> L1 loads, page
+streams) runs on a worker thread. Every handler first validates (:mod:`.validation`), then acts, so a
+rejected call changes nothing. Every RPC counts against ``serve.max_concurrency`` (RESOURCE_EXHAUSTED
+beyond it) and is timed into ``hicache_rpc_seconds``.
+
+Deadlines: gRPC cancels a handler whose deadline passed; waits that run on worker threads (prefetch) are
+bounded by the time remaining. A Match cancelled while its worker still runs keeps its id: the request
+opens when the worker finishes and is released by the client's Release or by idle expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeAlias, TypeVar
+
+import grpc
+import numpy as np
+import torch
+
+from hicache.cache import CacheFullError, HiCache, LoadResult, Request
+from hicache.config import ServeConfig
+from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
+from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicache.service.events import EventHub
+from hicache.service.metrics_http import ServiceMetrics
+from hicache.service.requests import Entry, RequestTable
+from hicache.service.shared_pool import SharedPool
+from hicache.service.validation import (
+    NamespaceResolver,
+    ServiceError,
+    invalid,
+    page_count,
+    page_indices,
+    precondition,
+    token_bytes,
+)
+
+T = TypeVar("T")
+Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+DEFAULT_EVENT_QUEUE = 4096
+MAX_EVENT_QUEUE = 1 << 20
+PAGE_CHUNK_BYTES = 4 << 20  # ReadPages: at most this much page data per message (at least one page)
+DEADLINE_MARGIN_S = 0.02
+
+
+def _status(e: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(e, ServiceError):
+        return e.code, e.message
+    if isinstance(e, CacheFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+    return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+
+
+def unary(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Concurrency bound, status mapping and timing for a unary-response handler."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    async def wrapper(self: HiCacheServicer, request: Any, context: Ctx) -> T:
+        if not self._admit():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"more than {self.serve.max_concurrency} RPCs in flight (serve.max_concurrency)")
+        t0 = time.perf_counter()
+        code = "OK"
+        try:
+            return await fn(self, request, context)
+        except (ServiceError, CacheFullError) as e:
+            c, msg = _status(e)
+            code = c.name
+            await context.abort(c, msg)
+            raise  # pragma: no cover - abort raises
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            self._done(name, code, t0)
+
+    return wrapper
+
+
+def streaming(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterator[T]]:
+    """The same for a server-streaming handler (an async generator)."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    async def wrapper(self: HiCacheServicer, request: Any, context: Ctx) -> AsyncIterator[T]:
+        if not self._admit():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"more than {self.serve.max_concurrency} RPCs in flight (serve.max_concurrency)")
+        t0 = time.perf_counter()
+        code = "OK"
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except (ServiceError, CacheFullError) as e:
+            c, msg = _status(e)
+            code = c.name
+            await context.abort(c, msg)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            self._done(name, code, t0)
+
+    return wrapper
+
+
+class HiCacheServicer(pb_grpc.HiCacheServicer):
+    def __init__(self, cache: HiCache, serve: ServeConfig, metrics: ServiceMetrics, hub: EventHub,
+                 shared: SharedPool | None, request_ttl_s: float = 600.0) -> None:
+        self.cache = cache
+        self.serve = serve
+        self.metrics = metrics
+        self.hub = hub
+        self.shared = shared
+        self.resolver = NamespaceResolver(cache.ns)
+        self.table = RequestTable(request_ttl_s)
+        self.page_size = cache.page_size
+        self.num_pages = cache.device_pool.num_pages
+        self.max_tokens = serve.max_request_tokens
+        self.max_pages = max(1, self.max_tokens // self.page_size)
+        self.inflight = 0
+        self._hist = {m: metrics.rpc_seconds.labels(m) for m in pb.DESCRIPTOR.services_by_name["HiCache"]
+                      .methods_by_name}
+        self._counts: dict[tuple[str, str], Any] = {}
+        metrics.rpc_inflight.set_function(lambda: self.inflight)
+        metrics.open_requests.set_function(lambda: len(self.table))
+        metrics.event_subscribers.set_function(lambda: hub.subscribers)
+        metrics.event_queue.set_function(lambda: hub.queued)
+        metrics.event_sequence.set_function(lambda: hub.sequence)
+
+    # ------------------------------------------------------------------ plumbing
+    def _admit(self) -> bool:
+        if self.inflight >= self.serve.max_concurrency:
+            self.metrics.rpc_rejected.inc()
+            return False
+        self.inflight += 1
+        return True
+
+    def _done(self, name: str, code: str, t0: float) -> None:
+        self.inflight -= 1
+        self._hist[name].observe(time.perf_counter() - t0)
+        c = self._counts.get((name, code))
+        if c is None:
+            c = self._counts[(name, code)] = self.metrics.rpc_total.labels(name, code)
+        c.inc()
+
+    def _ns(self, ref: pb.NamespaceRef) -> Any:
+        return self.resolver.resolve(ref.tenant, ref.model, ref.revision, ref.layout)
+
+    def _load(self, req: Request) -> LoadResult:
+        load = self.cache.load_back(req)
+        load.wait()
+        return load
+
+    def _prefetch_wait(self, req: Request, context: Ctx) -> float | None:
+        """How long finishing the request's prefetch may wait: the policy's bound, cut to the deadline."""
+        task = req.prefetch
+        s = self.cache.config.storage
+        wait: float | None
+        if task is None or s.prefetch_policy == "best_effort":
+            wait = 0.0
+        elif s.prefetch_policy == "wait_complete":
+            wait = None
+        else:
+            wait = s.prefetch_timeout(task.num_pages * self.page_size)
+        left = context.time_remaining()
+        if left is not None:
+            left = max(0.0, left - DEADLINE_MARGIN_S)
+            wait = left if wait is None else min(wait, left)
+        return wait
+
+    async def expire_idle(self) -> int:
+        """Release requests idle past the TTL (a client that went away); returns how many."""
+        old = self.table.expired()
+        for e in old:
+            assert e.request is not None
+            await asyncio.to_thread(self.cache.release, e.request)
+        if old:
+            self.metrics.expired_requests.inc(len(old))
+        return len(old)
+
+    async def release_all(self) -> int:
+        entries = self.table.drain()
+        for e in entries:
+            assert e.request is not None
+            if not e.request.released:
+                await asyncio.to_thread(self.cache.release, e.request)
+        return len(entries)
+
+    # ------------------------------------------------------------------ Match
+    @unary
+    async def Match(self, request: pb.MatchRequest, context: Ctx) -> pb.MatchResponse:
+        tb = token_bytes(request.tokens, request.token_ids, self.max_tokens)
+        ns = self._ns(request.namespace)
+        l3 = not request.skip_l3 and self.cache.storage is not None
+        if request.peek:
+            if request.request_id or request.load:
+                raise invalid("peek: opens no request, so request_id and load must be unset")
+            tokens = np.frombuffer(tb, dtype="<u4")
+            if l3:
+                req = await asyncio.to_thread(self._peek, tokens, ns, l3)
+            else:
+                req = self._peek(tokens, ns, False)
+            return self._match_response(req, "", request.return_keys)
+        rid = request.request_id or uuid.uuid4().hex
+        entry = self.table.reserve(rid)
+        try:
+            if l3 or request.load:
+                req = await asyncio.to_thread(self._open, entry, tb, ns, l3, request.load)
+            else:
+                req = self._open(entry, tb, ns, False, False)
+        except asyncio.CancelledError:
+            raise  # the worker still opens the request under `rid` (released by Release or expiry)
+        except BaseException:
+            self.table.drop(rid)
+            raise
+        return self._match_response(req, rid, request.return_keys)
+
+    def _peek(self, tokens: np.ndarray, ns: Any, l3: bool) -> Request:
+        req = self.cache.match(tokens, ns, l3=l3)
+        self.cache.release(req)
+        return req
+
+    def _open(self, entry: Entry, tb: bytes, ns: Any, l3: bool, load: bool) -> Request:
+        req = self.cache.match(np.frombuffer(tb, dtype="<u4"), ns, l3=l3)
+        if load:
+            try:
+                self._load(req)
+            except BaseException:
+                self.cache.release(req)
+                raise
+        entry.request = req
+        return req
+
+    def _match_response(self, req: Request, rid: str, keys: bool) -> pb.MatchResponse:
+        resp = pb.MatchResponse(
+            request_id=rid, l1_pages=len(req.device_indices),
+            l2_pages=req.l1_pages + req.l2_pages - len(req.device_indices) if rid else req.l2_pages,
+            l3_pages=req.l3_pages, page_size=self.page_size, num_pages=req.num_pages,
+            device_indices=req.device_indices.tolist() if rid else (),
+        )
+        if keys:
+            resp.page_keys.extend(req.keys)
+        return resp
+
+    # ------------------------------------------------------------------ Prefetch
+    @streaming
+    async def Prefetch(self, request: pb.PrefetchRequest, context: Ctx) -> AsyncIterator[pb.PrefetchProgress]:
+        entry = self.table.get(request.request_id)
+        interval = (request.progress_interval_ms or 20) / 1000.0
+        async with entry.lock:
+            req = entry.request
+            assert req is not None
+            if req.released:
+                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r}: released")
+            total = await asyncio.to_thread(self.cache.prefetch, req) if self.cache.storage is not None else 0
+            task = req.prefetch
+            if task is not None:
+                wait = self._prefetch_wait(req, context)
+                if request.stream_progress:
+                    end = None if wait is None else time.monotonic() + wait
+                    while not task.done() and (end is None or time.monotonic() < end):
+                        yield pb.PrefetchProgress(pages_total=total, pages_done=task.completed)
+                        step = interval if end is None else max(0.0, min(interval, end - time.monotonic()))
+                        await asyncio.sleep(step)
+                    wait = 0.0
+                await asyncio.to_thread(task.finish, wait)
+            load = await asyncio.to_thread(self._load, req)
+            entry.last_used = time.monotonic()
+        yield pb.PrefetchProgress(pages_total=total, pages_done=load.l3_pages, done=True,
+                                  device_indices=load.device_indices.tolist(), loaded_l2_pages=load.l2_pages,
+                                  loaded_l3_pages=load.l3_pages)
+
+    # ------------------------------------------------------------------ Allocate / Commit / Release
+    @unary
+    async def Allocate(self, request: pb.AllocateRequest, context: Ctx) -> pb.AllocateResponse:
+        entry = self.table.get(request.request_id)
+        n = page_count(request.num_pages, self.max_pages)
+        async with entry.lock:
+            assert entry.request is not None
+            pages = self.cache.alloc(entry.request, n)
+        return pb.AllocateResponse(device_indices=pages.tolist())
+
+    @unary
+    async def Commit(self, request: pb.CommitRequest, context: Ctx) -> pb.CommitResponse:
+        entry = self.table.get(request.request_id)
+        tb = token_bytes(request.tokens, request.token_ids, self.max_tokens)
+        dev = page_indices(request.device_indices, self.num_pages)
+        async with entry.lock:
+            req = entry.request
+            assert req is not None
+            self._check_commit(req, tb, dev)
+            res = self.cache.commit(req, np.frombuffer(tb, dtype="<u4"), dev)
+            entry.last_used = time.monotonic()
+            return pb.CommitResponse(new_pages=res.new_pages, reused_pages=res.reused_pages,
+                                     backed_up_pages=res.backed_up_pages,
+                                     device_indices=req.device_indices.tolist())
+
+    def _check_commit(self, req: Request, tb: bytes, dev: np.ndarray) -> None:
+        stride = self.page_size * 4
+        n = len(tb) // stride
+        if len(dev) != n:
+            raise invalid(f"device_indices: {len(dev)} pages given, the tokens have {n} full pages "
+                          f"(page size {self.page_size})")
+        full = tb[: n * stride]
+        if full[: len(req.token_bytes)] != req.token_bytes[: len(full)] or n < len(req.device_indices):
+            raise precondition("tokens: do not extend the request's matched prefix")
+        prefix = req.device_indices
+        if not np.array_equal(dev[: len(prefix)], prefix):
+            raise precondition(f"device_indices: must start with the request's {len(prefix)} prefix pages "
+                               "(from Match / Prefetch)")
+        new = dev[len(prefix):]
+        owned = np.concatenate(req.owned_device) if req.owned_device else np.empty(0, dtype=np.int64)
+        mine = np.isin(new, owned)
+        if not mine.all():
+            raise precondition(f"device_indices: page {int(new[~mine][0])} is not owned by this request "
+                               "(allocate pages with Allocate)")
+
+    @unary
+    async def Release(self, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
+        entry = self.table.pop(request.request_id)
+        async with entry.lock:
+            req = entry.request
+            assert req is not None
+            if req.prefetch is not None:
+                await asyncio.to_thread(self.cache.release, req)
+            else:
+                self.cache.release(req)
+        return pb.ReleaseResponse()
+
+    # ------------------------------------------------------------------ Stats / events / pool
+    @unary
+    async def Stats(self, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
+        st = self.cache.stats()
+        reg = self.cache.metrics.registry
+
+        def val(name: str, **labels: str) -> int:
+            v = reg.get_sample_value(name, labels or None)
+            return int(v or 0)
+
+        storage = st.get("storage")
+        return pb.StatsResponse(
+            l1_pages_total=st["l1_pages_total"], l1_pages_used=st["l1_pages_used"],
+            l1_pages_cached=st["l1_pages_cached"], l1_pages_locked=st["l1_pages_locked"],
+            l2_pages_total=st["l2_pages_total"], l2_pages_used=st["l2_pages_used"],
+            l2_pages_cached=st["l2_pages_cached"], writeback_queue_pages=st["writeback_queue_pages"],
+            lookups=val("hicache_lookups_total"), lookup_tokens=val("hicache_lookup_tokens_total"),
+            hit_tokens_l1=val("hicache_hit_tokens_total", tier="l1"),
+            hit_tokens_l2=val("hicache_hit_tokens_total", tier="l2"),
+            hit_tokens_l3=val("hicache_hit_tokens_total", tier="l3"),
+            open_requests=len(self.table), event_sequence=self.hub.sequence,
+            storage_pages_written=storage.sets if storage else 0, storage_pages_read=storage.gets if storage else 0,
+            storage_errors=storage.errors if storage else 0,
+            storage_corrupt_pages=storage.corrupt_pages if storage else 0,
+        )
+
+    @streaming
+    async def WatchEvents(self, request: pb.WatchEventsRequest, context: Ctx) -> AsyncIterator[pb.Event]:
+        if request.max_queue > MAX_EVENT_QUEUE:
+            raise invalid(f"max_queue: at most {MAX_EVENT_QUEUE}")
+        async for ev in self.hub.stream(self.cache.snapshot, request.max_queue or DEFAULT_EVENT_QUEUE):
+            yield ev
+
+    def pool_info(self) -> pb.PoolInfo:
+        lay = self.cache.layout
+        ns = self.cache.ns
+        return pb.PoolInfo(
+            layout=pb.KVLayout(num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
+                               dtype=lay.dtype, page_size=lay.page_size, attention=lay.attention,
+                               describe=lay.describe(), bytes_per_page=lay.bytes_per_page),
+            num_pages=self.num_pages, device=str(self.cache.device_pool.device), model=ns.model,
+            revision=ns.revision, tp_rank=ns.tp_rank, tp_size=ns.tp_size, namespace_digest=ns.digest,
+            host_pid=os.getpid(), hostname=socket.gethostname(),
+        )
+
+    @unary
+    async def GetPoolInfo(self, request: pb.GetPoolInfoRequest, context: Ctx) -> pb.PoolInfo:
+        return self.pool_info()
+
+    @unary
+    async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.PoolInfo:
+        if self.shared is None:
+            raise precondition("attach: this server's L1 pool is not shared (serve.shared_pool is false)")
+        info = self.pool_info()
+        self.shared.fill(info)
+        return info
+
+    # ------------------------------------------------------------------ remote peers: page bytes
+    def _gather(self, pages: np.ndarray) -> bytes:
+        """Canonical page-first bytes ``[n, L, C, S, H, D]`` of L1 ``pages``."""
+        pool = self.cache.device_pool
+        idx = torch.as_tensor(pages, dtype=torch.long, device=pool.device)
+        parts = [torch.stack([kv[idx] for kv in layer], dim=1) for layer in pool.kv]  # each [n, C, S, H, D]
+        t = torch.stack(parts, dim=1).contiguous()  # [n, L, C, S, H, D]
+        return t.cpu().view(torch.uint8).numpy().tobytes()
+
+    def _scatter(self, pages: np.ndarray, data: bytes) -> None:
+        pool = self.cache.device_pool
+        lay = self.cache.layout
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(lay.torch_dtype)
+        src = src.view(len(pages), lay.num_layers, lay.kv_count, *lay.page_shape).to(pool.device)
+        idx = torch.as_tensor(pages, dtype=torch.long, device=pool.device)
+        for layer, kvs in enumerate(pool.kv):
+            for c, kv in enumerate(kvs):
+                kv[idx] = src[:, layer, c]
+
+    @streaming
+    async def ReadPages(self, request: pb.ReadPagesRequest, context: Ctx) -> AsyncIterator[pb.PageChunk]:
+        tb = token_bytes(request.tokens, request.token_ids, self.max_tokens)
+        ns = self._ns(request.namespace)
+        req = await asyncio.to_thread(self.cache.match, np.frombuffer(tb, dtype="<u4"), ns)
+        try:
+            if self.cache.storage is not None:
+                await asyncio.to_thread(self.cache.prefetch, req)
+            load = await asyncio.to_thread(self._load, req)
+            dev = load.device_indices
+            if request.max_pages:
+                dev = dev[: request.max_pages]
+            bpp = self.cache.layout.bytes_per_page
+            per = max(1, min(PAGE_CHUNK_BYTES, self.serve.max_message_bytes // 2) // bpp)
+            total = len(dev)
+            for lo in range(0, total, per):
+                chunk = dev[lo: lo + per]
+                data = await asyncio.to_thread(self._gather, chunk)
+                yield pb.PageChunk(first_page=lo, num_pages=len(chunk), page_keys=req.keys[lo: lo + len(chunk)],
+                                   data=data, total_pages=total)
+        finally:
+            await asyncio.to_thread(self.cache.release, req)
+
+    @unary
+    async def WritePages(self, request_iterator: AsyncIterator[pb.WritePagesChunk],
+                         context: Ctx) -> pb.CommitResponse:
+        header: pb.WritePagesHeader | None = None
+        buf = bytearray()
+        limit = 0
+        tb = b""
+        bpp = self.cache.layout.bytes_per_page
+        async for msg in request_iterator:
+            part = msg.WhichOneof("part")
+            if header is None:
+                if part != "header":
+                    raise invalid("write pages: the first message must carry the header")
+                header = msg.header
+                tb = token_bytes(header.tokens, header.token_ids, self.max_tokens)
+                n = len(tb) // (self.page_size * 4)
+                if header.first_page >= n:
+                    raise invalid(f"header.first_page: {header.first_page} but the tokens have {n} full pages")
+                limit = (n - header.first_page) * bpp
+                continue
+            if part != "data":
+                raise invalid("write pages: only the first message may carry a header")
+            if len(buf) + len(msg.data) > limit:
+                raise invalid(f"data: more than the {limit} bytes of pages {header.first_page}.. of the tokens")
+            buf += msg.data
+        if header is None:
+            raise invalid("write pages: empty stream")
+        if len(buf) != limit:
+            raise invalid(f"data: {len(buf)} bytes, pages {header.first_page}.. need {limit}")
+        ns = self._ns(header.namespace)
+        return await asyncio.to_thread(self._write_pages, tb, ns, header.first_page, bytes(buf))
+
+    def _write_pages(self, tb: bytes, ns: Any, first: int, data: bytes) -> pb.CommitResponse:
+        cache = self.cache
+        tokens = np.frombuffer(tb, dtype="<u4")
+        req = cache.match(tokens, ns, l3=False)
+        try:
+            have = len(self._load(req).device_indices)
+            if have < first:
+                raise precondition(f"header.first_page: pages before {first} must be cached here; "
+                                   f"this node has the first {have}")
+            n = req.num_pages
+            bpp = cache.layout.bytes_per_page
+            res = None
+            new = np.empty(0, dtype=np.int64)
+            if n > have:
+                new = cache.alloc(req, n - have)
+                self._scatter(new, data[(have - first) * bpp:])
+            res = cache.commit(req, tokens, np.concatenate([req.device_indices, new]))
+            return pb.CommitResponse(new_pages=res.new_pages, reused_pages=res.reused_pages,
+                                     backed_up_pages=res.backed_up_pages, device_indices=req.device_indices.tolist())
+        finally:
+            cache.release(req)
+
