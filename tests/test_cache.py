@@ -68,7 +68,7 @@ def test_partial_hit_then_extension(make_cache) -> None:
     doc = list(range(100, 116))  # 4 pages
     commit_fresh(cache, doc, seed=2)
     q = [*doc, 7, 8, 9, 10, 11, 12, 13, 14, 15]  # 2 new full pages + 1 partial token
-    req, load = serve(cache, q, seed=3)
+    req, _ = serve(cache, q, seed=3)
     assert req.l1_pages == 4
     assert req.cached_tokens == 24
     cache.release(req)

@@ -57,5 +57,5 @@ def test_bad_yaml_file(tmp_path: Path) -> None:
     f.write_text("cache: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(f, env={})
-    with pytest.raises(ConfigError, match="missing.yaml"):
+    with pytest.raises(ConfigError, match=r"missing\.yaml"):
         load_config(tmp_path / "missing.yaml", env={})

@@ -165,7 +165,7 @@ class TreeVsModel(RuleBasedStateMachine):
     @rule(n=st.integers(1, 8), backup=st.booleans())
     def evict_device(self, n: int, backup: bool) -> None:
         before = self._tree_state()
-        locked, pinned = self._protected()
+        locked, _ = self._protected()
         backed: dict[int, int] = {}
 
         def do_backup(node: TreeNode) -> bool:
