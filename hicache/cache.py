@@ -443,10 +443,14 @@ class HiCache:
             self._update_gauges()
             return pages
 
-    def commit(self, req: Request, tokens: Sequence[int] | np.ndarray, device_pages: np.ndarray) -> CommitResult:
+    def commit(self, req: Request, tokens: Sequence[int] | np.ndarray, device_pages: np.ndarray,
+               priority: int | None = None) -> CommitResult:
         """Insert the request's pages: ``tokens`` is the whole sequence (prefix included) and
         ``device_pages`` the L1 pages of every full page of it, in order (the prefix's pages from
         ``req.device_indices`` followed by pages from :meth:`alloc`).
+
+        ``priority`` (with ``eviction_policy: priority``) is recorded on every node of the path, the
+        highest value winning on shared prefixes: lower priorities are evicted first.
 
         The request's lock moves to the end of the inserted run. Pages the tree already held are freed
         if the request owned them. Write policy: write_through backs the new pages up to L2 now.
@@ -473,7 +477,12 @@ class HiCache:
             if not np.isin(new, owned).all():
                 raise ValueError("commit: device pages not allocated to this request")
             res = self.tree.insert(req.ns.digest, tb, keys, device=dev)
-            assert res is not None
+            assert res is not None  # L1 inserts start at page 0, so they always attach
+            if priority is not None:
+                x: TreeNode | None = res.node
+                while x is not None and x.parent is not None:
+                    x.priority = max(x.priority, priority) if x is not res.node else priority
+                    x = x.parent
             dup = new[res.reused[prefix:]]
             consumed = new
             if len(dup):

@@ -277,3 +277,18 @@ def test_metrics_count_hits_per_tier(make_cache) -> None:
     assert r.get_sample_value("hicache_lookups_total") == 3
     assert r.get_sample_value("hicache_evicted_tokens_total", {"tier": "l1"}) == 8
     assert r.get_sample_value("hicache_pool_total_pages", {"tier": "l1"}) == 16
+
+
+def test_priority_policy_evicts_low_priority_first(make_cache) -> None:
+    cache = make_cache(cache={"eviction_policy": "priority", "l2_tokens": 0})
+    keep, drop = list(range(16)), list(range(100, 116))
+    for toks, prio in ((keep, 10), (drop, 0)):
+        req = cache.match(toks)
+        pages = cache.alloc(req, 4)
+        cache.commit(req, toks, pages, priority=prio)
+        cache.release(req)
+    cache.evict(l1_pages=4)
+    a, b = cache.match(keep), cache.match(drop)
+    assert (a.l1_pages, b.l1_pages) == (4, 0)  # the later-used but low-priority run went first
+    cache.release(a)
+    cache.release(b)
