@@ -1,0 +1,368 @@
+"""L2 <-> L1 page-transfer bandwidth on a GPU, each figure next to the in-run ceiling.
+
+In one run (needs a CUDA GPU and CuPy):
+
+1. Ceilings: one contiguous pinned-host <-> GPU copy of the same bytes (each way, and both ways at once
+   on two streams), measured at the start (ratios use these) and again at the end (a drift check).
+2. Per piece size (bytes of one page's K or V for one layer; 4 KiB .. 2 MiB) and each direction, on
+   random page indices: GB/s of the kernel path (``io_backend=kernel``), the copy-engine path
+   (``io_backend=copy_engine``: merged runs, ``cudaMemcpyBatchAsync``), and a per-page
+   ``cudaMemcpyAsync`` loop issued from Python.
+3. Slowdown of a bf16 8192^3 GEMM stream while loads (or backups) run next to it: kernel path at
+   several grid sizes, and the copy engine.
+4. Load and backup at once against the bidirectional ceiling.
+5. A 32-layer load overlapped with per-layer compute (GEMMs after ``wait_layer(i)``) against
+   max(load alone, compute alone), for compute/load ratios of about 0.5, 1 and 2.
+
+Transfers are timed with CUDA events on the compute stream, which is held by ``torch.cuda._sleep`` while
+the host submits, so the figures are device time; host submission time is reported beside them.
+
+    python benchmarks/transfer_bandwidth.py [--json out/transfer_bandwidth.json] [--total-mib 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache.layout import KVLayout
+from hicache.pool import DevicePool, HostPool
+from hicache.transfer import TransferHandle, create_engine
+from hicache.transfer.copy_engine import CopyPlan, CudaRuntime
+from hicache.transfer.cuda import CudaTransferEngine
+
+PIECES_KIB = (4, 16, 64, 256, 1024, 2048)
+SLEEP_CYCLES = 40_000_000  # ~20 ms: covers host submission so events time the device only
+GB = 1e9
+
+
+def ev() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+# ---------------------------------------------------------------------- ceilings
+def ceiling(nbytes: int, reps: int) -> dict[str, float]:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.random_(0, 256)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev2.random_(0, 256)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    out: dict[str, list[float]] = {"h2d": [], "d2h": [], "bidir": []}
+    for r in range(reps + 1):
+        for kind in ("h2d", "d2h", "bidir"):
+            torch.cuda.synchronize()
+            a, b = ev(), ev()
+            a.record()
+            s1.wait_stream(torch.cuda.current_stream())
+            s2.wait_stream(torch.cuda.current_stream())
+            if kind in ("h2d", "bidir"):
+                with torch.cuda.stream(s1):
+                    dev.copy_(host, non_blocking=True)
+            if kind in ("d2h", "bidir"):
+                with torch.cuda.stream(s2):
+                    host2.copy_(dev2, non_blocking=True)
+            torch.cuda.current_stream().wait_stream(s1)
+            torch.cuda.current_stream().wait_stream(s2)
+            b.record()
+            b.synchronize()
+            if r:
+                moved = 2 * nbytes if kind == "bidir" else nbytes
+                out[kind].append(moved / (a.elapsed_time(b) / 1e3) / GB)
+    del host, host2, dev, dev2
+    return {k: median(v) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------- timing helpers
+def time_device(submit: Callable[[], list[TransferHandle]], num_layers: int, reps: int) -> tuple[float, float]:
+    """(device seconds, host submission seconds), medians. The compute stream sleeps while submitting."""
+    dev_t, host_t = [], []
+    for r in range(reps + 1):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        a, b = ev(), ev()
+        a.record()
+        t0 = time.perf_counter()
+        handles = submit()
+        t1 = time.perf_counter()
+        for h in handles:
+            h.wait_layer(num_layers - 1)
+        b.record()
+        b.synchronize()
+        for h in handles:
+            h.wait()
+        if r:
+            dev_t.append(a.elapsed_time(b) / 1e3)
+            host_t.append(t1 - t0)
+    return median(dev_t), median(host_t)
+
+
+def time_loop(rt: CudaRuntime, plan: CopyPlan, stream: torch.cuda.Stream, reps: int) -> float:
+    """Wall seconds for one ``cudaMemcpyAsync`` per piece issued from Python, synchronised."""
+    ts = []
+    for r in range(reps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rt.run(plan, stream.cuda_stream, batched=False)
+        stream.synchronize()
+        if r:
+            ts.append(time.perf_counter() - t0)
+    return median(ts)
+
+
+def layout_for_piece(piece: int, num_layers: int) -> KVLayout:
+    # K or V of one layer: page_size tokens x 8 heads x 128 dims x bf16 = page_size * 2 KiB
+    if piece % 2048:
+        raise ValueError(f"piece size must be a multiple of 2 KiB, got {piece}")
+    return KVLayout(num_layers=num_layers, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=piece // 2048)
+
+
+class Setup:
+    """Pools with random contents, and random page pairs moving ``total`` bytes per transfer."""
+
+    def __init__(self, layout: KVLayout, total: int, seed: int = 0, spare: int = 2) -> None:
+        self.layout = layout
+        self.n = max(1, total // layout.bytes_per_page)
+        self.bytes = self.n * layout.bytes_per_page
+        cap = spare * self.n
+        self.dev = DevicePool(layout, cap, "cuda")
+        self.host = HostPool(layout, cap, "page_first")
+        self.host.buffer.view(torch.uint8).random_(0, 256)
+        for row in self.dev.kv:
+            for t in row:
+                t.view(torch.uint8).random_(0, 256)
+        rng = np.random.default_rng(seed)
+        self.d = rng.permutation(cap)[: self.n].astype(np.int64)
+        self.h = rng.permutation(cap)[: self.n].astype(np.int64)
+        self.d2 = np.setdiff1d(np.arange(cap), self.d)[: self.n]
+        self.h2 = np.setdiff1d(np.arange(cap), self.h)[: self.n]
+        torch.cuda.synchronize()
+
+    def engine(self, **kw: Any) -> CudaTransferEngine:
+        e = create_engine("cuda", self.dev, self.host, **kw)
+        assert isinstance(e, CudaTransferEngine)
+        return e
+
+
+# ---------------------------------------------------------------------- sections
+def _load(eng: CudaTransferEngine, s: Setup) -> list[TransferHandle]:
+    return [eng.load(s.h, s.d)]
+
+
+def _backup(eng: CudaTransferEngine, s: Setup) -> list[TransferHandle]:
+    return [eng.backup(s.d, s.h)]
+
+
+def _both(eng: CudaTransferEngine, s: Setup) -> list[TransferHandle]:
+    return [eng.load(s.h, s.d), eng.backup(s.d2, s.h2)]
+
+
+def bench_pieces(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    rows = []
+    rt = CudaRuntime.get()
+    for kib in args.pieces:
+        piece = kib << 10
+        s = Setup(layout_for_piece(piece, args.layers), args.total_mib << 20, seed=kib)
+        L = s.layout.num_layers
+        for direction in ("h2d", "d2h"):
+            row: dict[str, Any] = {"piece_bytes": piece, "direction": direction, "bytes": s.bytes, "pages": s.n}
+            for backend in ("kernel", "copy_engine"):
+                eng = s.engine(io_backend=backend)
+                if direction == "h2d":
+                    t, sub = time_device(partial(_load, eng, s), L, args.reps)
+                else:
+                    t, sub = time_device(partial(_backup, eng, s), L, args.reps)
+                row[f"{backend}_gbps"] = s.bytes / t / GB
+                row[f"{backend}_submit_ms"] = sub * 1e3
+                if backend == "copy_engine":
+                    plan = eng.plan(s.d, s.h, 0, L * s.layout.kv_count, direction == "d2h")
+                    row["copy_engine_copies"] = plan.n_copies
+                    k = min(plan.n_copies, args.loop_cap)
+                    sub_plan = CopyPlan(plan.dst[:k], plan.src[:k], plan.size[:k])
+                    tl = time_loop(rt, sub_plan, eng.load_stream, args.reps)
+                    row["loop_gbps"] = sub_plan.nbytes / tl / GB
+                    row["loop_copies"] = k
+                eng.close()
+            c = ceil[direction]
+            for key in ("kernel", "copy_engine", "loop"):
+                row[f"{key}_ratio"] = row[f"{key}_gbps"] / c
+            rows.append(row)
+            print(f"piece {kib:>5} KiB {direction}: kernel {row['kernel_gbps']:6.1f} GB/s "
+                  f"({row['kernel_ratio']:.2f})  copy-engine {row['copy_engine_gbps']:6.1f} "
+                  f"({row['copy_engine_ratio']:.2f})  per-page loop {row['loop_gbps']:6.1f} "
+                  f"({row['loop_ratio']:.2f})  ceiling {c:.1f}", flush=True)
+    return rows
+
+
+def gemm_time(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
+    x, y = ev(), ev()
+    x.record()
+    for _ in range(k):
+        torch.mm(a, b)
+    y.record()
+    y.synchronize()
+    return x.elapsed_time(y) / 1e3
+
+
+def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    k = args.gemms
+    for _ in range(3):
+        gemm_time(a, b, k)
+    alone = median([gemm_time(a, b, k) for _ in range(args.reps)])
+    s = Setup(layout_for_piece(64 << 10, args.layers), args.total_mib << 20, seed=99)
+    rows = []
+    configs: list[tuple[str, str, dict[str, Any]]] = [("h2d", "kernel", {"blocks": bl}) for bl in args.blocks_sweep]
+    configs += [("d2h", "kernel", {}), ("h2d", "copy_engine", {}), ("d2h", "copy_engine", {})]
+    for direction, backend, kw in configs:
+        eng = s.engine(io_backend=backend, **kw)
+        one = s.bytes / ceil[direction]  # seconds per transfer at the ceiling
+        m = max(2, math.ceil(1.5 * alone / one))
+        slow, gbps = [], []
+        for _ in range(args.reps):
+            torch.cuda.synchronize()
+            xs, xe = ev(), ev()
+            xs.record(eng.load_stream if direction == "h2d" else eng.backup_stream)
+            hs = [eng.load(s.h, s.d) if direction == "h2d" else eng.backup(s.d, s.h) for _ in range(m)]
+            xe.record(eng.load_stream if direction == "h2d" else eng.backup_stream)
+            t = gemm_time(a, b, k)
+            xe.synchronize()
+            for h in hs:
+                h.wait()
+            slow.append(t / alone - 1)
+            gbps.append(m * s.bytes / (xs.elapsed_time(xe) / 1e3) / GB)
+        eng.close()
+        row = {"direction": direction, "backend": backend, "blocks": kw.get("blocks", eng.kernel.blocks),
+               "gemm_alone_ms": alone * 1e3, "gemm_slowdown": median(slow), "transfer_gbps": median(gbps),
+               "transfer_ratio": median(gbps) / ceil[direction]}
+        rows.append(row)
+        grid = f"{row['blocks']} blocks" if backend == "kernel" else "DMA"
+        print(f"GEMM next to {direction} {backend:<11} ({grid:>8}): GEMM {100 * row['gemm_slowdown']:+5.1f}%  "
+              f"transfer {row['transfer_gbps']:5.1f} GB/s ({row['transfer_ratio']:.2f} of ceiling)", flush=True)
+    return rows
+
+
+def bench_bidir(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    rows = []
+    for kib in (64, 1024):
+        s = Setup(layout_for_piece(kib << 10, args.layers), args.total_mib << 20, seed=7 + kib, spare=3)
+        L = s.layout.num_layers
+        for backend in ("kernel", "copy_engine"):
+            eng = s.engine(io_backend=backend)
+            t, _ = time_device(partial(_both, eng, s), L, args.reps)
+            gbps = 2 * s.bytes / t / GB
+            rows.append({"piece_bytes": kib << 10, "backend": backend, "gbps": gbps, "ratio": gbps / ceil["bidir"]})
+            print(f"load+backup at once, {kib:>5} KiB pieces, {backend:<11}: {gbps:6.1f} GB/s "
+                  f"({gbps / ceil['bidir']:.2f} of bidirectional ceiling {ceil['bidir']:.1f})", flush=True)
+            eng.close()
+    return rows
+
+
+def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    n_gemm = 4096
+    a = torch.randn(n_gemm, n_gemm, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n_gemm, n_gemm, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        gemm_time(a, b, 8)
+    t_gemm = median([gemm_time(a, b, 32) / 32 for _ in range(3)])
+    layers = 32
+    piece = 64 << 10
+    layout = layout_for_piece(piece, layers)
+    # per-layer load about 2 GEMMs long at the ceiling
+    per_layer = 2 * t_gemm * ceil["h2d"] * GB
+    s = Setup(layout, int(per_layer * layers), seed=5)
+    rows = []
+    for backend in ("kernel", "copy_engine"):
+        eng = s.engine(io_backend=backend)
+        t_load, _ = time_device(partial(_load, eng, s), layers, args.reps)
+        for k in (1, 2, 4):
+            comp = []
+            over = []
+            for _ in range(args.reps):
+                comp.append(gemm_time(a, b, k * layers))
+                torch.cuda.synchronize()
+                torch.cuda._sleep(SLEEP_CYCLES)
+                x, y = ev(), ev()
+                x.record()
+                h = eng.load(s.h, s.d)
+                for layer in range(layers):
+                    h.wait_layer(layer)
+                    for _ in range(k):
+                        torch.mm(a, b)
+                y.record()
+                y.synchronize()
+                over.append(x.elapsed_time(y) / 1e3)
+            t_comp, t_over = median(comp), median(over)
+            ratio = t_over / max(t_load, t_comp)
+            rows.append({"backend": backend, "layers": layers, "load_ms": t_load * 1e3, "compute_ms": t_comp * 1e3,
+                         "overlapped_ms": t_over * 1e3, "ratio_vs_max": ratio, "bytes": s.bytes})
+            print(f"32-layer overlap {backend:<11} compute/load {t_comp / t_load:4.2f}: load {t_load * 1e3:6.2f} ms, "
+                  f"compute {t_comp * 1e3:6.2f} ms, overlapped {t_over * 1e3:6.2f} ms = {ratio:.3f} x max", flush=True)
+        eng.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default="out/transfer_bandwidth.json")
+    p.add_argument("--total-mib", type=int, default=256, help="bytes per timed transfer")
+    p.add_argument("--layers", type=int, default=8, help="layers of the pools in the piece-size sweep")
+    p.add_argument("--pieces", type=int, nargs="+", default=list(PIECES_KIB), help="piece sizes in KiB")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--gemms", type=int, default=12, help="8192^3 GEMMs per slowdown sample")
+    p.add_argument("--blocks-sweep", type=int, nargs="+", default=[2, 1, 4, 8])
+    p.add_argument("--loop-cap", type=int, default=8192, help="most copies timed in the per-page loop")
+    p.add_argument("--sections", nargs="+", default=["pieces", "gemm", "bidir", "overlap"])
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("transfer_bandwidth: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import cupy
+
+    rt = CudaRuntime.get()
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cupy": cupy.__version__,
+            "cudart": rt.version, "batched_memcpy": rt.has_batch, "python": platform.python_version()}
+    print(json.dumps(info), flush=True)
+    ceil0 = ceiling(args.total_mib << 20, args.reps)
+    print(f"ceiling (start): h2d {ceil0['h2d']:.1f} GB/s, d2h {ceil0['d2h']:.1f}, both at once {ceil0['bidir']:.1f}",
+          flush=True)
+    ceil = dict(ceil0)
+    result: dict[str, Any] = {"info": info, "args": vars(args), "ceiling_start": ceil0}
+    if "pieces" in args.sections:
+        result["pieces"] = bench_pieces(args, ceil)
+    if "gemm" in args.sections:
+        result["gemm"] = bench_gemm(args, ceil)
+    if "bidir" in args.sections:
+        result["bidir"] = bench_bidir(args, ceil)
+    if "overlap" in args.sections:
+        result["overlap"] = bench_overlap(args, ceil)
+    ceil1 = ceiling(args.total_mib << 20, args.reps)
+    result["ceiling_end"] = ceil1
+    print(f"ceiling (end):   h2d {ceil1['h2d']:.1f} GB/s, d2h {ceil1['d2h']:.1f}, both at once {ceil1['bidir']:.1f}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

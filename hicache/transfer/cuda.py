@@ -1,0 +1,291 @@
+"""CUDA transfer engine: L2 (pinned host) <-> L1 (GPU) page copies on dedicated streams.
+
+Usage::
+
+    engine = create_engine("cuda", device_pool, host_pool, io_backend="kernel")   # or copy_engine / auto
+    h = engine.load(host_idx, device_idx)      # returns at once
+    for layer in range(L):
+        h.wait_layer(layer)                     # the *current* stream waits on layer's event; no host sync
+        attention(layer, ...)
+    b = engine.backup(device_idx, host_idx)     # after the forward pass wrote those pages
+    b.done()                                    # poll; b.wait() blocks the host until the pages are on L2
+
+Streams and ordering:
+
+* Loads run on one dedicated load stream, backups on one backup stream. Each submission first makes
+  its stream wait on an event recorded on the caller's current (compute) stream, so a backup never
+  reads a page the forward pass is still writing, and a load never overwrites a page that queued
+  compute still reads.
+* A load records one event per layer; ``wait_layer(i)`` makes the current stream wait on it.
+* Loads and backups touching the same host or device pages are ordered against each other (a load of a
+  host page that a running backup writes waits for that backup, and vice versa); otherwise the two
+  streams run concurrently, one per link direction.
+
+I/O backends (``io_backend``):
+
+* ``kernel``: the gather/scatter kernels of ``kernels/page_copy.cu`` read and write pinned host memory
+  directly; grid capped at ``blocks`` x ``threads`` (default 2 x 1024, the smallest launch measured to
+  fill the link; more blocks only take SMs away from attention).
+* ``copy_engine``: DMA copies, runs merged, ``cudaMemcpyBatchAsync`` where available; uses no SMs.
+* ``auto``: per transfer, the copy engine when its copies average at least ``ce_min_copy_bytes``
+  (large contiguous runs), else the kernel.
+
+Host memory: the host pool's buffer is used in place. When it is not already pinned (e.g. a
+``HostPool(..., pin_memory=False)`` of tens of GB, which avoids the caching pinned allocator's
+power-of-two rounding) the engine page-locks it with ``cudaHostRegister`` -- no second copy -- and
+unregisters it in :meth:`CudaTransferEngine.close`. Close the engine before ``host_pool.release()``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from hicache.pool import DevicePool, HostPool
+from hicache.transfer.base import TransferEngine, TransferHandle, register_engine
+from hicache.transfer.copy_engine import CopyPlan, CudaRuntime, plan_copies
+from hicache.transfer.cuda_kernels import DEFAULT_BLOCKS, DEFAULT_THREADS, CopyGeometry, KernelCopier
+
+IoBackend = Literal["kernel", "copy_engine", "auto"]
+IO_BACKENDS = ("kernel", "copy_engine", "auto")
+CUDA_HOST_REGISTER_PORTABLE = 1
+CUDA_HOST_REGISTER_MAPPED = 2
+
+
+class CudaHandle(TransferHandle):
+    """Per-layer CUDA events of one transfer. Keeps the index tensors alive until it completes."""
+
+    def __init__(self, num_layers: int, num_pages: int, events: list[torch.cuda.Event],
+                 backend: str, device: torch.device, keep: tuple[Any, ...] = ()) -> None:
+        self.num_layers = num_layers
+        self.device = device
+        self.num_pages = num_pages
+        self.events = events  # one per layer, or empty when nothing was copied
+        self.backend = backend
+        self._keep: tuple[Any, ...] = keep
+
+    def wait_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"wait_layer: layer {layer} outside [0, {self.num_layers})")
+        if self.events:
+            torch.cuda.current_stream(self.device).wait_event(self.events[layer])
+
+    def wait(self) -> None:
+        if self.events:
+            self.events[-1].synchronize()
+        self._keep = ()
+
+    def done(self) -> bool:
+        if not self.events or self.events[-1].query():
+            self._keep = ()
+            return True
+        return False
+
+
+@dataclass
+class _InFlight:
+    event: torch.cuda.Event
+    host_pages: np.ndarray  # sorted, unique
+    dev_pages: np.ndarray  # sorted, unique
+    backup: bool
+
+
+@register_engine("cuda")
+class CudaTransferEngine(TransferEngine):
+    name = "cuda"
+
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, io_backend: str = "auto",
+                 blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS,
+                 ce_min_copy_bytes: int = 1 << 20, register_host: bool = True) -> None:
+        super().__init__(device_pool, host_pool)
+        if io_backend not in IO_BACKENDS:
+            raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
+        if device_pool.device.type != "cuda":
+            raise ValueError(f"transfer engine 'cuda': the device pool is on {device_pool.device}, not a GPU")
+        try:
+            import cupy
+        except ImportError as e:
+            raise ValueError(f"transfer engine 'cuda' needs CuPy: {e}") from e
+        self.io_backend: IoBackend = io_backend  # type: ignore[assignment]
+        self.ce_min_copy_bytes = ce_min_copy_bytes
+        dev = device_pool.device
+        self.device = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        self.device_index = int(self.device.index or 0)
+        layout = self.layout
+        L, C = layout.num_layers, layout.kv_count
+        for layer in range(L):
+            for c in range(C):
+                t = device_pool.kv[layer][c]
+                if not t.is_contiguous() or t.device != self.device:
+                    raise ValueError(f"device pool kv[{layer}][{c}] must be contiguous on {self.device}")
+        buf = host_pool.buffer
+        if not buf.is_contiguous():
+            raise ValueError("host pool buffer must be contiguous")
+        self._registered_ptr: int | None = None
+        if not host_pool.pinned:
+            if not register_host:
+                raise ValueError("host pool is not pinned; pass register_host=True or pin it")
+            self._register(buf.data_ptr(), buf.numel() * buf.element_size())
+        try:
+            self._setup(cupy, buf, io_backend, blocks, threads)
+        except BaseException:
+            self._unregister()
+            raise
+        self._closed = False
+
+    def _setup(self, cupy: Any, buf: torch.Tensor, io_backend: str, blocks: int, threads: int) -> None:
+        layout, host_pool, device_pool = self.layout, self.host_pool, self.device_pool
+        L, C = layout.num_layers, layout.kv_count
+        piece = layout.bytes_per_layer_piece
+        try:
+            host_base = int(cupy.cuda.runtime.hostGetDevicePointer(buf.data_ptr(), 0))
+        except Exception:  # no such call in this CuPy, or memory not mapped
+            host_base = buf.data_ptr()  # unified addressing: the host address is the device address
+        if host_pool.host_layout == "page_first":
+            hps, hlcs = L * C * piece, piece
+        else:
+            hps, hlcs = piece, host_pool.num_pages * piece
+        self.geometry = CopyGeometry(
+            dev_ptrs=tuple(device_pool.kv[layer][c].data_ptr() for layer in range(L) for c in range(C)),
+            host_base=host_base, host_page_stride=hps, host_lc_stride=hlcs, piece_bytes=piece, num_lc=L * C,
+        )
+        self._dev_ptrs_np = np.array(self.geometry.dev_ptrs, dtype=np.uint64)
+        self.kernel = KernelCopier(self.geometry, self.device_index, blocks, threads)
+        self._rt: CudaRuntime | None = None
+        if io_backend != "kernel":
+            self._rt = CudaRuntime.get()
+        self.load_stream = torch.cuda.Stream(self.device)
+        self.backup_stream = torch.cuda.Stream(self.device)
+        self._lock = threading.Lock()
+        self._inflight: list[_InFlight] = []
+
+    # ------------------------------------------------------------------ host memory
+    def _register(self, ptr: int, nbytes: int) -> None:
+        import cupy
+
+        with cupy.cuda.Device(self.device_index):
+            cupy.cuda.runtime.hostRegister(ptr, nbytes, CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED)
+        self._registered_ptr = ptr
+
+    @property
+    def registered_host(self) -> bool:
+        """True when this engine page-locked the host pool itself (and unpins it on close)."""
+        return self._registered_ptr is not None
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, dev_idx: np.ndarray, host_idx: np.ndarray, lc_begin: int, n_lc: int, to_host: bool) -> CopyPlan:
+        g = self.geometry
+        return plan_copies(self._dev_ptrs_np, g.host_base, g.host_page_stride, g.host_lc_stride, g.piece_bytes,
+                           dev_idx, host_idx, lc_begin, n_lc, to_host)
+
+    def choose_backend(self, dev_idx: np.ndarray, host_idx: np.ndarray) -> str:
+        """``kernel`` or ``copy_engine`` for this transfer under the configured ``io_backend``."""
+        if self.io_backend != "auto":
+            return self.io_backend
+        if self._rt is None or len(dev_idx) == 0:
+            return "kernel"
+        plan = self.plan(dev_idx, host_idx, 0, 1, False)
+        return "copy_engine" if plan.nbytes / plan.n_copies >= self.ce_min_copy_bytes else "kernel"
+
+    # ------------------------------------------------------------------ submission
+    def _hazards(self, host_pages: np.ndarray, dev_pages: np.ndarray, backup: bool) -> list[torch.cuda.Event]:
+        """Events of in-flight transfers on the other stream that touch the same pages."""
+        waits = []
+        alive = []
+        for op in self._inflight:
+            if op.event.query():
+                continue
+            alive.append(op)
+            if op.backup == backup:
+                continue  # same stream: already ordered
+            if (np.intersect1d(op.host_pages, host_pages, assume_unique=True).size
+                    or np.intersect1d(op.dev_pages, dev_pages, assume_unique=True).size):
+                waits.append(op.event)
+        self._inflight = alive
+        return waits
+
+    def _submit(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool) -> CudaHandle:
+        if self._closed:
+            raise RuntimeError("transfer engine is closed")
+        L, C = self.layout.num_layers, self.layout.kv_count
+        n = len(dev_idx)
+        if n == 0:
+            return CudaHandle(L, 0, [], "none", self.device)
+        backend = self.choose_backend(dev_idx, host_idx)
+        stream = self.backup_stream if to_host else self.load_stream
+        host_pages = np.unique(host_idx)
+        dev_pages = np.unique(dev_idx)
+        with self._lock, torch.cuda.device(self.device):
+            compute = torch.cuda.current_stream(self.device)
+            ready = torch.cuda.Event()
+            ready.record(compute)
+            waits = self._hazards(host_pages, dev_pages, to_host)
+            stream.wait_event(ready)
+            for ev in waits:
+                stream.wait_event(ev)
+            keep: tuple[Any, ...] = ()
+            if backend == "kernel":
+                idx_host = torch.from_numpy(np.stack([dev_idx, host_idx])).pin_memory()
+                with torch.cuda.stream(stream):
+                    idx = idx_host.to(self.device, non_blocking=True)
+                keep = (idx_host, idx)
+                dptr = idx.data_ptr()
+                hptr = dptr + n * 8
+            events: list[torch.cuda.Event] = []
+            sh = stream.cuda_stream
+            if to_host:
+                # one launch (or one batch) for every layer; every layer is ready when it completes
+                if backend == "kernel":
+                    self.kernel.launch(sh, dptr, hptr, n, 0, L * C, to_host=True)
+                else:
+                    assert self._rt is not None
+                    self._rt.run(self.plan(dev_idx, host_idx, 0, L * C, True), sh)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                events = [ev] * L
+            else:
+                for layer in range(L):
+                    if backend == "kernel":
+                        self.kernel.launch(sh, dptr, hptr, n, layer * C, C, to_host=False)
+                    else:
+                        assert self._rt is not None
+                        self._rt.run(self.plan(dev_idx, host_idx, layer * C, C, False), sh)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    events.append(ev)
+            self._inflight.append(_InFlight(events[-1], host_pages, dev_pages, to_host))
+        return CudaHandle(L, n, events, backend, self.device, keep)
+
+    def load(self, host_idx: np.ndarray, device_idx: np.ndarray) -> TransferHandle:
+        src, dst = self._check(host_idx, device_idx, self.host_pool.num_pages, self.device_pool.num_pages)
+        return self._submit(dst, src, to_host=False)
+
+    def backup(self, device_idx: np.ndarray, host_idx: np.ndarray) -> TransferHandle:
+        src, dst = self._check(device_idx, host_idx, self.device_pool.num_pages, self.host_pool.num_pages)
+        return self._submit(src, dst, to_host=True)
+
+    def synchronize(self) -> None:
+        """Block until every submitted transfer has finished."""
+        self.load_stream.synchronize()
+        self.backup_stream.synchronize()
+
+    def close(self) -> None:
+        """Finish in-flight copies, then unpin the host pool if this engine pinned it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.synchronize()
+        self._inflight = []
+        self._unregister()
+
+    def _unregister(self) -> None:
+        if self._registered_ptr is not None:
+            import cupy
+
+            with cupy.cuda.Device(self.device_index):
+                cupy.cuda.runtime.hostUnregister(self._registered_ptr)
+            self._registered_ptr = None

@@ -1,0 +1,139 @@
+"""Run-time compiled page gather/scatter kernels (``kernels/page_copy.cu`` through CuPy ``RawModule``).
+
+Installing needs no build step: the CUDA source ships as package data (``hicache/kernels``, a link to the
+repository's top-level ``kernels/``) and is compiled by NVRTC on first use; CuPy caches the binary on disk
+and this module caches the loaded module per device.
+
+:class:`KernelCopier` launches the copy for one slot range (one layer, or every layer) of a page list.
+It needs a GPU and CuPy; importing this module does not (CuPy is imported on first use).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SOURCE_NAME = "page_copy.cu"
+VECTOR_WIDTHS = (16, 8, 4, 2, 1)
+DEFAULT_BLOCKS = 2
+DEFAULT_THREADS = 1024
+UNROLL = 4  # PAGE_COPY_UNROLL in the source: vectors each thread has in flight
+
+_modules: dict[int, Any] = {}
+_lock = threading.Lock()
+
+
+def kernel_source_path() -> Path:
+    """The CUDA source: package data first (installed), then the repository's ``kernels/``."""
+    here = Path(__file__).resolve().parent.parent  # hicache/
+    for cand in (here / "kernels" / SOURCE_NAME, here.parent / "kernels" / SOURCE_NAME):
+        if cand.is_file():
+            return cand
+    raise FileNotFoundError(f"CUDA source {SOURCE_NAME} not found in {here / 'kernels'} or {here.parent / 'kernels'}")
+
+
+def _module(device_index: int) -> Any:
+    import cupy
+
+    with _lock:
+        mod = _modules.get(device_index)
+        if mod is None:
+            src = kernel_source_path().read_text()
+            with cupy.cuda.Device(device_index):
+                mod = cupy.RawModule(code=src, options=("--std=c++17",))
+                for w in VECTOR_WIDTHS:
+                    mod.get_function(f"page_copy_{w}")  # compile and load now, not inside a timed region
+            _modules[device_index] = mod
+        return mod
+
+
+def vector_width(piece_bytes: int, *addresses_and_strides: int) -> int:
+    """Widest vector (16/8/4/2/1 bytes) dividing the piece size and every address and stride."""
+    g = piece_bytes
+    for a in addresses_and_strides:
+        g = math.gcd(g, int(a))
+    for w in VECTOR_WIDTHS:
+        if g % w == 0:
+            return w
+    return 1
+
+
+@dataclass(frozen=True)
+class CopyGeometry:
+    """Addresses of one device pool / host pool pair, as the kernel sees them (bytes).
+
+    ``dev_ptrs[lc]`` is the base of ``kv[layer][k]`` with ``lc = layer * C + k``; ``host_base`` the
+    device-visible address of the host buffer.
+    """
+
+    dev_ptrs: tuple[int, ...]
+    host_base: int
+    host_page_stride: int
+    host_lc_stride: int
+    piece_bytes: int
+    num_lc: int
+
+
+class KernelCopier:
+    """Launches page copies on a given stream with a capped grid.
+
+    ``blocks`` x ``threads`` is the most the kernel ever uses; a small copy gets fewer blocks. The default
+    (2 x 1024) is the smallest launch measured to fill a PCIe Gen5 x16 link, and leaves the rest of the
+    GPU to attention.
+    """
+
+    def __init__(self, geometry: CopyGeometry, device_index: int, blocks: int = DEFAULT_BLOCKS,
+                 threads: int = DEFAULT_THREADS) -> None:
+        import cupy
+        import torch
+
+        if blocks < 1:
+            raise ValueError(f"blocks: must be >= 1, got {blocks}")
+        if threads < 32 or threads > 1024 or threads % 32:
+            raise ValueError(f"threads: must be a multiple of 32 in [32, 1024], got {threads}")
+        self.geometry = geometry
+        self.device_index = device_index
+        self.blocks = blocks
+        self.threads = threads
+        g = geometry
+        self.width = vector_width(g.piece_bytes, g.host_base, g.host_page_stride, g.host_lc_stride, *g.dev_ptrs)
+        self.piece_vecs = g.piece_bytes // self.width
+        self._module = _module(device_index)
+        self._kernel = self._module.get_function(f"page_copy_{self.width}")
+        self._cupy = cupy
+        self._dev_ptrs = torch.tensor(np.array(g.dev_ptrs, dtype=np.uint64).view(np.int64),
+                                      device=f"cuda:{device_index}")
+        self._streams: dict[int, Any] = {}
+
+    def _ext_stream(self, handle: int) -> Any:
+        s = self._streams.get(handle)
+        if s is None:
+            s = self._cupy.cuda.ExternalStream(handle, self.device_index)
+            self._streams[handle] = s
+        return s
+
+    def grid_for(self, n_pages: int, n_lc: int) -> int:
+        total = n_pages * n_lc * self.piece_vecs
+        return max(1, min(self.blocks, -(-total // (self.threads * UNROLL))))
+
+    def launch(self, stream_handle: int, dev_idx_ptr: int, host_idx_ptr: int, n_pages: int,
+               lc_begin: int, n_lc: int, to_host: bool) -> None:
+        """Copy ``n_lc`` slots from ``lc_begin`` of ``n_pages`` page pairs; index arrays are device int64."""
+        if n_pages <= 0 or n_lc <= 0:
+            return
+        if lc_begin < 0 or lc_begin + n_lc > self.geometry.num_lc:
+            raise ValueError(f"slot range [{lc_begin}, {lc_begin + n_lc}) outside [0, {self.geometry.num_lc})")
+        g = self.geometry
+        grid = self.grid_for(n_pages, n_lc)
+        args = (
+            np.uint64(self._dev_ptrs.data_ptr()), np.uint64(g.host_base), np.int64(g.host_page_stride),
+            np.int64(g.host_lc_stride), np.uint64(dev_idx_ptr), np.uint64(host_idx_ptr), np.int64(n_pages),
+            np.int32(lc_begin), np.int32(n_lc), np.int64(self.piece_vecs), np.int32(1 if to_host else 0),
+        )
+        with self._cupy.cuda.Device(self.device_index), self._ext_stream(stream_handle):
+            self._kernel((grid,), (self.threads,), args)

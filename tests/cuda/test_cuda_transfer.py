@@ -1,0 +1,312 @@
+"""CUDA transfer engine on a GPU: kernels and copy engine against torch indexing, streams and events.
+
+Skipped without a CUDA GPU or CuPy (collection imports neither CuPy nor a CUDA build of torch).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.layout import KVLayout
+from hicache.pool import DevicePool, HostPool
+from hicache.transfer import create_engine
+
+pytestmark = pytest.mark.cuda
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+cupy = pytest.importorskip("cupy")
+
+SLEEP_CYCLES = 100_000_000  # ~50 ms of torch.cuda._sleep on a ~2 GHz GPU
+
+# (layout, expected vector width): piece bytes chosen to exercise every kernel width
+LAYOUTS = [
+    (KVLayout(3, 2, 64, "bfloat16", 16), 16),  # MHA, 4 KiB pieces
+    (KVLayout(2, 1, 576, "bfloat16", 3, "mla"), 16),  # MLA latent, odd page size
+    (KVLayout(2, 2, 16, "float8_e4m3fn", 5), 16),  # 1-byte elements, 160-byte pieces
+    (KVLayout(2, 2, 2, "float16", 1), 8),  # 8-byte pieces
+    (KVLayout(2, 1, 3, "float32", 7), 4),  # 4-byte elements, 84-byte pieces
+    (KVLayout(2, 3, 7, "float16", 5), 2),  # 2-byte elements, 210-byte pieces
+    (KVLayout(3, 1, 5, "uint8", 3), 1),  # 15-byte pieces: byte kernel
+]
+IDS = ["mha-bf16", "mla-bf16-p3", "fp8-p5", "fp16-w8", "fp32-p7", "fp16-w2", "u8-w1"]
+
+
+def _rand_bytes(t: torch.Tensor, gen: torch.Generator) -> None:
+    b = t.view(torch.uint8)
+    b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen))
+
+
+def _pools(layout: KVLayout, n_dev: int, n_host: int, host_layout: str, seed: int = 0,
+           pin: bool | None = None) -> tuple[DevicePool, HostPool]:
+    gen = torch.Generator().manual_seed(seed)
+    dev = DevicePool(layout, n_dev, "cuda")
+    host = HostPool(layout, n_host, host_layout, pin_memory=pin)
+    _rand_bytes(host.buffer, gen)
+    for row in dev.kv:
+        for t in row:
+            cpu = torch.empty(t.shape, dtype=t.dtype)
+            _rand_bytes(cpu, gen)
+            t.copy_(cpu)
+    torch.cuda.synchronize()
+    return dev, host
+
+
+def _snapshot(dev: DevicePool) -> list[list[torch.Tensor]]:
+    return [[t.view(torch.uint8).cpu() for t in row] for row in dev.kv]
+
+
+def _host_slot(buf: torch.Tensor, host_layout: str, layer: int, c: int) -> torch.Tensor:
+    return buf[:, layer, c] if host_layout == "page_first" else buf[layer, c]
+
+
+def _expect_load(dev_before, host: HostPool, d: np.ndarray, h: np.ndarray, slots: set[tuple[int, int]]):
+    out = [[t.clone() for t in row] for row in dev_before]
+    for layer, c in slots:
+        out[layer][c][torch.from_numpy(d)] = host.layer_view(layer, c).view(torch.uint8)[torch.from_numpy(h)]
+    return out
+
+
+def _expect_backup(host_before: torch.Tensor, host_layout: str, dev_snap, d: np.ndarray, h: np.ndarray,
+                   slots: set[tuple[int, int]]) -> torch.Tensor:
+    out = host_before.clone()
+    for layer, c in slots:
+        _host_slot(out, host_layout, layer, c)[torch.from_numpy(h)] = dev_snap[layer][c][torch.from_numpy(d)]
+    return out
+
+
+def _indices(n: int, n_dev: int, n_host: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.permutation(n_dev)[:n].astype(np.int64), rng.permutation(n_host)[:n].astype(np.int64)
+
+
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine"])
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize(("layout", "width"), LAYOUTS, ids=IDS)
+def test_load_and_backup_match_torch(layout: KVLayout, width: int, host_layout: str, io_backend: str) -> None:
+    n_dev, n_host, n = 37, 41, 23
+    dev, host = _pools(layout, n_dev, n_host, host_layout, seed=1)
+    eng = create_engine("cuda", dev, host, io_backend=io_backend)
+    try:
+        if io_backend == "kernel":
+            assert eng.kernel.width == width
+        L, C = layout.num_layers, layout.kv_count
+        every = {(layer, c) for layer in range(L) for c in range(C)}
+        # load: layer by layer
+        d, h = _indices(n, n_dev, n_host, seed=2)
+        before = _snapshot(dev)
+        handle = eng.load(h, d)
+        handle.wait()
+        assert handle.done()
+        expect = _expect_load(before, host, d, h, every)
+        got = _snapshot(dev)
+        for layer in range(L):
+            for c in range(C):
+                assert torch.equal(got[layer][c], expect[layer][c]), (layer, c)
+        # backup: every layer at once, to other host pages
+        d, h = _indices(n, n_dev, n_host, seed=3)
+        hb = host.buffer.view(torch.uint8).clone()
+        dsnap = _snapshot(dev)
+        handle = eng.backup(d, h)
+        handle.wait()
+        assert handle.done()
+        assert torch.equal(host.buffer.view(torch.uint8), _expect_backup(hb, host_layout, dsnap, d, h, every))
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize(("layout", "width"), LAYOUTS[:3] + LAYOUTS[-1:], ids=IDS[:3] + IDS[-1:])
+def test_kernel_one_layer_and_all_layers(layout: KVLayout, width: int, host_layout: str) -> None:
+    """The raw kernel for one slot range and for all slots, both directions."""
+    n_dev, n_host, n = 29, 31, 19
+    dev, host = _pools(layout, n_dev, n_host, host_layout, seed=4)
+    eng = create_engine("cuda", dev, host, io_backend="kernel", blocks=3, threads=128)
+    try:
+        L, C = layout.num_layers, layout.kv_count
+        stream = torch.cuda.current_stream()
+        for lc_begin, n_lc in [(0, L * C), ((L - 1) * C, C), (1, 1)]:
+            slots = {divmod(lc, C) for lc in range(lc_begin, lc_begin + n_lc)}
+            for to_host in (False, True):
+                d, h = _indices(n, n_dev, n_host, seed=lc_begin * 7 + n_lc + int(to_host))
+                idx = torch.from_numpy(np.stack([d, h])).cuda()
+                before_dev, before_host = _snapshot(dev), host.buffer.view(torch.uint8).clone()
+                eng.kernel.launch(stream.cuda_stream, idx.data_ptr(), idx.data_ptr() + n * 8, n, lc_begin, n_lc,
+                                  to_host)
+                torch.cuda.synchronize()
+                if to_host:
+                    ref = _expect_backup(before_host, host_layout, before_dev, d, h, slots)
+                    assert torch.equal(host.buffer.view(torch.uint8), ref)
+                else:
+                    ref_dev = _expect_load(before_dev, host, d, h, slots)
+                    got = _snapshot(dev)
+                    assert all(torch.equal(got[x][y], ref_dev[x][y]) for x in range(L) for y in range(C))
+    finally:
+        eng.close()
+
+
+def test_bad_input_copies_nothing() -> None:
+    layout = KVLayout(2, 2, 8, "bfloat16", 4)
+    dev, host = _pools(layout, 8, 8, "page_first")
+    eng = create_engine("cuda", dev, host, io_backend="kernel")
+    try:
+        before = _snapshot(dev)
+        with pytest.raises(ValueError):
+            eng.load(np.array([0, 8]), np.array([1, 2]))
+        with pytest.raises(ValueError):
+            eng.load(np.array([0, 1]), np.array([2, 2]))
+        torch.cuda.synchronize()
+        got = _snapshot(dev)
+        assert all(torch.equal(a, b) for ra, rb in zip(got, before, strict=True) for a, b in zip(ra, rb, strict=True))
+        with pytest.raises(ValueError, match="io_backend"):
+            create_engine("cuda", dev, host, io_backend="dma")
+        assert eng.load(np.zeros(0, np.int64), np.zeros(0, np.int64)).done()
+    finally:
+        eng.close()
+
+
+BIG = KVLayout(8, 8, 128, "bfloat16", 256)  # 512 KiB pieces: 64 pages = 64 MiB per layer, ~1.2 ms at 55 GB/s
+
+
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine"])
+def test_layer_visible_after_wait_layer(io_backend: str) -> None:
+    """Compute queued after wait_layer(i) sees layer i; the host never blocks; the handle polls."""
+    n = 64
+    dev, host = _pools(BIG, n, n, "page_first", seed=5)
+    eng = create_engine("cuda", dev, host, io_backend=io_backend)
+    try:
+        d, h = _indices(n, n, n, seed=6)
+        for row in dev.kv:
+            for t in row:
+                t.view(torch.uint8).fill_(0xA5)  # poison
+        torch.cuda.synchronize()
+        before = _snapshot(dev)
+        handle = eng.load(h, d)
+        assert not handle.done()  # 512 MiB cannot have landed yet; done() returned without blocking
+        snaps = []
+        for layer in range(BIG.num_layers):
+            handle.wait_layer(layer)
+            snaps.append([t.view(torch.uint8).clone() for t in dev.kv[layer]])  # queued on the compute stream
+        assert not handle.done()  # wait_layer did not block the host
+        torch.cuda.synchronize()
+        expect = _expect_load(before, host, d, h, {(x, c) for x in range(BIG.num_layers) for c in range(2)})
+        for layer in range(BIG.num_layers):
+            for c in range(2):
+                assert torch.equal(snaps[layer][c].cpu(), expect[layer][c]), (layer, c)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine"])
+def test_backup_waits_for_compute_writer(io_backend: str) -> None:
+    """A backup submitted right after the compute stream writes the pages copies the new values."""
+    layout = KVLayout(4, 2, 64, "bfloat16", 16)
+    dev, host = _pools(layout, 16, 16, "layer_first", seed=7)
+    eng = create_engine("cuda", dev, host, io_backend=io_backend)
+    try:
+        d, h = _indices(8, 16, 16, seed=8)
+        gen = torch.Generator().manual_seed(9)
+        new = []
+        for row in dev.kv:
+            for t in row:
+                x = torch.empty((8, *t.shape[1:]), dtype=t.dtype)
+                _rand_bytes(x, gen)
+                new.append(x.cuda())
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)  # the writer is late
+        i = 0
+        dd = torch.from_numpy(d).cuda()
+        for row in dev.kv:
+            for t in row:
+                t.index_copy_(0, dd, new[i])
+                i += 1
+        handle = eng.backup(d, h)  # no host synchronisation in between
+        handle.wait()
+        i = 0
+        for layer in range(layout.num_layers):
+            for c in range(2):
+                got = host.layer_view(layer, c)[torch.from_numpy(h)]
+                assert torch.equal(got.view(torch.uint8), new[i].cpu().view(torch.uint8)), (layer, c)
+                i += 1
+    finally:
+        eng.close()
+
+
+def test_load_waits_for_backup_of_same_host_pages() -> None:
+    """Load of host pages a running backup is writing sees the backed-up data (cross-stream ordering)."""
+    n = 64
+    dev, host = _pools(BIG, 2 * n, n, "page_first", seed=10)
+    eng = create_engine("cuda", dev, host, io_backend="kernel")
+    try:
+        a = np.arange(n, dtype=np.int64)
+        b = np.arange(n, 2 * n, dtype=np.int64)
+        hp = np.random.default_rng(11).permutation(n).astype(np.int64)
+        src = [[t[:n].view(torch.uint8).cpu() for t in row] for row in dev.kv]
+        back = eng.backup(a, hp)  # ~10 ms of D2H
+        load = eng.load(hp, b)  # must not read hp before the backup wrote it
+        load.wait()
+        assert back.done()
+        for layer in range(BIG.num_layers):
+            for c in range(2):
+                assert torch.equal(dev.kv[layer][c][n:].view(torch.uint8).cpu(), src[layer][c]), (layer, c)
+    finally:
+        eng.close()
+
+
+def test_auto_picks_copy_engine_for_large_runs() -> None:
+    layout = KVLayout(2, 8, 128, "bfloat16", 64)  # 128 KiB pieces
+    dev, host = _pools(layout, 64, 64, "layer_first", seed=12)
+    eng = create_engine("cuda", dev, host, io_backend="auto", ce_min_copy_bytes=1 << 20)
+    try:
+        run = np.arange(16, dtype=np.int64)  # 16 consecutive pages: 2 MiB copies
+        assert eng.choose_backend(run, run + 8) == "copy_engine"
+        scattered = np.arange(0, 32, 2, dtype=np.int64)
+        assert eng.choose_backend(scattered, scattered) == "kernel"
+        before = _snapshot(dev)
+        handle = eng.load(run + 8, run)
+        assert handle.backend == "copy_engine"  # type: ignore[attr-defined]
+        handle.wait()
+        expect = _expect_load(before, host, run, run + 8, {(x, c) for x in range(2) for c in range(2)})
+        got = _snapshot(dev)
+        assert all(torch.equal(got[x][c], expect[x][c]) for x in range(2) for c in range(2))
+    finally:
+        eng.close()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_large_pool_registered_in_place_and_released() -> None:
+    """A 6 GiB unpinned host pool is page-locked in place (offsets past 4 GiB work) and released cleanly."""
+    layout = KVLayout(4, 8, 128, "bfloat16", 64)  # 1 MiB pages
+    n_host = 6144
+    host = HostPool(layout, n_host, "page_first", pin_memory=False)
+    dev = DevicePool(layout, 32, "cuda")
+    eng = create_engine("cuda", dev, host, io_backend="kernel")
+    try:
+        assert eng.registered_host  # type: ignore[attr-defined]
+        hp = np.concatenate([np.arange(n_host - 12, n_host), np.arange(4)]).astype(np.int64)  # past 4 GiB
+        dp = np.random.default_rng(13).permutation(32)[:16].astype(np.int64)
+        gen = torch.Generator().manual_seed(14)
+        vals = torch.empty((16, *host.buffer.shape[1:]), dtype=host.buffer.dtype)
+        _rand_bytes(vals, gen)
+        host.buffer[torch.from_numpy(hp)] = vals
+        eng.load(hp, dp).wait()
+        for layer in range(4):
+            for c in range(2):
+                assert torch.equal(dev.kv[layer][c][torch.from_numpy(dp)].cpu().view(torch.uint8),
+                                   vals[:, layer, c].view(torch.uint8))
+        hp2 = np.arange(n_host - 40, n_host - 24, dtype=np.int64)
+        eng.backup(dp, hp2).wait()
+        assert torch.equal(host.buffer[torch.from_numpy(hp2)].view(torch.uint8), vals.view(torch.uint8))
+    finally:
+        eng.close()
+    assert not eng.registered_host  # type: ignore[attr-defined]
+    ptr, nbytes = host.buffer.data_ptr(), host.buffer.numel() * host.buffer.element_size()
+    cupy.cuda.runtime.hostRegister(ptr, nbytes, 0)  # fails if the engine had left it registered
+    cupy.cuda.runtime.hostUnregister(ptr)
+    rss = _rss_bytes()
+    host.release()
+    assert rss - _rss_bytes() > 5 * 2**30
