@@ -1,0 +1,28 @@
+"""Clients of the node service (``hicache serve``).
+
+* :class:`HiCacheClient` (blocking) and :class:`AsyncHiCacheClient` (asyncio): typed results, a default
+  deadline on every call, retries with backoff on UNAVAILABLE, bearer token and TLS/mTLS options.
+* :func:`attach_pool` / ``client.attach()``: map the server's shared L1 pool (shared memory on CPU, CUDA
+  IPC on GPU) so KV pages are read and written in place; gRPC only carries token ids and page indices.
+"""
+
+from hicache.client._common import RetryPolicy
+from hicache.client.aio import AsyncHiCacheClient
+from hicache.client.attach import AttachedPool, attach_pool
+from hicache.client.sync import HiCacheClient
+from hicache.client.types import CommitResult, Event, MatchResult, PageRun, PoolInfo, PrefetchProgress, Stats
+
+__all__ = [
+    "AsyncHiCacheClient",
+    "AttachedPool",
+    "CommitResult",
+    "Event",
+    "HiCacheClient",
+    "MatchResult",
+    "PageRun",
+    "PoolInfo",
+    "PrefetchProgress",
+    "RetryPolicy",
+    "Stats",
+    "attach_pool",
+]

@@ -1,0 +1,97 @@
+"""What the sync and asyncio clients share: channel settings, request builders, retry policy."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from hicache.keys import tokens_to_bytes
+from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
+
+Tokens = bytes | np.ndarray | Sequence[int]
+
+DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries of unary calls that failed with UNAVAILABLE (server restarting, connection refused):
+    ``attempts`` tries in all, sleeping ``base_s * 2**i`` (jittered, capped at ``max_s``) in between, never
+    past the call's deadline."""
+
+    attempts: int = 4
+    base_s: float = 0.05
+    max_s: float = 1.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.max_s, self.base_s * (2 ** attempt)) * (0.5 + random.random() / 2)
+
+
+@dataclass(frozen=True)
+class ChannelSettings:
+    target: str  # host:port
+    token: str = ""  # bearer token ("" : none)
+    root_certificates: str = ""  # PEM path: use TLS, trusting this CA ("" : plaintext unless tls=True)
+    client_cert: str = ""  # PEM paths for mTLS
+    client_key: str = ""
+    tls: bool = False  # TLS with the system's roots
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def options(self) -> list[tuple[str, Any]]:
+        return [("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", self.max_message_bytes)]
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        if not (self.tls or self.root_certificates or self.client_cert):
+            return None
+        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
+        return grpc.ssl_channel_credentials(read(self.root_certificates), read(self.client_key),
+                                            read(self.client_cert))
+
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else None
+
+
+def encode_tokens(tokens: Tokens) -> bytes:
+    """Token ids as packed uint32 LE bytes (``bytes`` pass through: they already are)."""
+    if isinstance(tokens, bytes | bytearray | memoryview):
+        b = bytes(tokens)
+        if len(b) % 4:
+            raise ValueError("tokens: packed bytes must be a multiple of 4 (uint32 LE)")
+        return b
+    return tokens_to_bytes(tokens)
+
+
+def ns_ref(tenant: str) -> pb.NamespaceRef | None:
+    return pb.NamespaceRef(tenant=tenant) if tenant else None
+
+
+def match_request(tokens: Tokens, request_id: str, tenant: str, load: bool, skip_l3: bool, peek: bool,
+                  return_keys: bool) -> pb.MatchRequest:
+    return pb.MatchRequest(request_id=request_id, namespace=ns_ref(tenant), tokens=encode_tokens(tokens),
+                           load=load, skip_l3=skip_l3, peek=peek, return_keys=return_keys)
+
+
+def commit_request(request_id: str, tokens: Tokens, device_indices: Sequence[int] | np.ndarray) -> pb.CommitRequest:
+    return pb.CommitRequest(request_id=request_id, tokens=encode_tokens(tokens),
+                            device_indices=np.asarray(device_indices, dtype=np.int64).tolist())
+
+
+def write_pages_messages(tokens: Tokens, data: bytes | memoryview, first_page: int, tenant: str,
+                         chunk_bytes: int) -> list[pb.WritePagesChunk]:
+    out = [pb.WritePagesChunk(header=pb.WritePagesHeader(namespace=ns_ref(tenant), tokens=encode_tokens(tokens),
+                                                         first_page=first_page))]
+    view = memoryview(data)
+    out.extend(pb.WritePagesChunk(data=bytes(view[i:i + chunk_bytes])) for i in range(0, len(view), chunk_bytes))
+    return out
+
+
+def retryable(err: grpc.RpcError) -> bool:
+    return isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,37 @@
+"""Zero copies on one host: KV written by one process is read by another through the shared L1 pool."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, ServerProc
+
+PEER = Path(__file__).with_name("peer_process.py")
+
+
+def run_peer(role: str, target: str, seed: int, n: int) -> dict[str, object]:
+    env_path = str(REPO)
+    out = subprocess.run([sys.executable, str(PEER), role, target, str(seed), str(n)], capture_output=True,
+                         text=True, timeout=60, env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"}, check=False)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_writer_and_reader_share_pages(server: ServerProc) -> None:
+    n = 16 * 20 + 5  # 20 full pages and a partial one
+    w = run_peer("write", server.target, 7, n)
+    assert w["l1_pages"] == 0 and w["num_pages"] == 20 and w["new_pages"] == 20
+    r = run_peer("read", server.target, 7, n)
+    assert r["l1_pages"] == 20
+    assert r["pages"] == w["pages"]
+    assert r["digest"] == w["digest"]  # identical KV bytes, read in place from the shared pool
+    # the Match reply carried 20 page indices, not 20 pages of KV
+    assert int(r["match_reply_bytes"]) < int(r["page_bytes"])
+
+
+def test_other_prompt_misses(server: ServerProc) -> None:
+    r = run_peer("read", server.target, 8, 16 * 4)
+    assert r["l1_pages"] == 0 and r["pages"] == []
