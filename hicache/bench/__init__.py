@@ -1,0 +1,14 @@
+"""Hit-rate benchmark: workloads and traces, replay against a cache, the offline-optimal bound, a report,
+and a prompt-structure doctor.
+
+Pieces, one concern each:
+
+* :mod:`~hicache.bench.workloads` -- the three workloads (multi-query RAG, few-shot classification,
+  multi-turn chat) and a mix, deterministic by seed.
+* :mod:`~hicache.bench.traces` -- own JSONL traces (token ids or text) and Mooncake's hash_ids format.
+* :mod:`~hicache.bench.targets` -- what a trace is replayed against: the in-process cache or a node over gRPC.
+* :mod:`~hicache.bench.replay` -- the replay loop (optionally following timestamps), per-tier accounting.
+* :mod:`~hicache.bench.optimal` -- Belady's offline optimum on the prefix tree and the infinite bound.
+* :mod:`~hicache.bench.report` / :mod:`~hicache.bench.plot` -- terminal table, JSON/CSV, PNG.
+* :mod:`~hicache.bench.doctor` -- where misses diverge, what the diverging spans are, what fixing them buys.
+"""
