@@ -218,14 +218,17 @@ class Decoder:
                 pool[c][batch.write_page, batch.write_slot] = piece
             if batch.decode:
                 gathered = [pool[c][dec_pages].flatten(1, 2) for c in range(len(pieces))]  # [B, N, Hs, Ds]
-                k, v = self._expand(layer, gathered)
-                o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=dec_mask)  # q [B, Hq, 1, qk]
-                o = o.reshape(q.shape[0], -1)
+                o = self._decode_attend(layer, q, gathered, dec_mask)
             else:
                 outs = []
+                off = 0
                 for seg, qs in zip(batch.segments, torch.split(q, lengths), strict=True):
                     N = seg.prefix + seg.length
-                    g = [pool[c][seg.pages[: (N + S - 1) // S]].flatten(0, 1)[:N] for c in range(len(pieces))]
+                    if seg.prefix == 0:  # nothing cached: attend over the pieces just computed
+                        g = [x[off: off + N] for x in pieces]
+                    else:
+                        g = [pool[c][seg.pages[: (N + S - 1) // S]].flatten(0, 1)[:N] for c in range(len(pieces))]
+                    off += seg.length
                     k, v = self._expand(layer, g)
                     outs.append(self._attend(qs, k, v))
                 o = torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -235,6 +238,21 @@ class Decoder:
             last = torch.tensor(lengths, device=h.device).cumsum(0) - 1
             h = h[last]
         return self._logits(h)
+
+    def _decode_attend(self, layer: int, q: torch.Tensor, gathered: list[torch.Tensor], mask: torch.Tensor
+                       ) -> torch.Tensor:
+        """One new token per sequence: q [B, Hq, qk] over gathered pieces [B, N, Hs, Ds] -> [B, Hq * dv].
+
+        GQA without copying K/V per query head: the ``rep`` query heads sharing a KV head are laid out as
+        ``rep`` query rows of that head (nothing is causal within one step; the mask hides padding)."""
+        B = q.shape[0]
+        if self.shape.attention == "mla":
+            k, v = self._expand(layer, gathered)
+            return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask).reshape(B, -1)
+        hk = self.shape.num_kv_heads
+        qg = q.view(B, hk, q.shape[1] // hk, q.shape[2])  # [B, Hk, rep, D]; head h = kv * rep + r
+        k, v = gathered[0].transpose(1, 2), gathered[1].transpose(1, 2)  # [B, Hk, N, D]
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(B, -1)
 
     def _decode_tables(self, batch: Batch, S: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded page tables [B, maxP] and key masks [B, 1, 1, maxP * S] for batched one-token attention."""

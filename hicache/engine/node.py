@@ -118,6 +118,11 @@ class ServingNode:
     # ------------------------------------------------------------------ public
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
         """Serve ``requests`` in arrival order, in batches; returns one result per request, in order."""
+        vocab = self.model.shape.vocab_size
+        for i, r in enumerate(requests):
+            lo, hi = min(r.tokens), max(r.tokens)
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"request {i}: token id {lo if lo < 0 else hi} outside the vocabulary [0, {vocab})")
         pending = deque(enumerate(requests))
         results: list[GenResult | None] = [None] * len(requests)
         while pending:

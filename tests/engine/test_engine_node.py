@@ -111,6 +111,8 @@ def test_bad_input_is_rejected() -> None:
     with pytest.raises(ValueError, match="max_new_tokens"):
         GenRequest([1], 0)
     model = Decoder.random(shape, SEED)
+    with pytest.raises(ValueError, match="vocabulary"):
+        ServingNode(model, NoCachePort(shape.kv_layout(4, "float32"), 8)).generate([GenRequest([1, 256], 1)])
     with pytest.raises(ValueError, match="layout"):
         ServingNode(model, NoCachePort(shape.kv_layout(4, "bfloat16"), 8))
     with pytest.raises(ValueError, match="cannot hold"):
