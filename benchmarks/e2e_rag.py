@@ -357,7 +357,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     workloads = a.workloads.split(",")
     modes = a.modes.split(",")
     rows: list[dict[str, Any]] = []
+    errors: list[str] = []
     base: dict[str, dict[str, Any]] = {}
+    result: dict[str, Any] = {"conditions": conditions, "rows": rows, "errors": errors}
+    if "ttft16k" in workloads:
+        try:
+            result["ttft_long_prefix"] = tl = ttft_long_prefix(env, z)
+            print(f"  ttft {z.long_prefix}-token prefix: recompute {tl['nocache']['ttft_median_ms']:.1f} ms, "
+                  f"L2 hit {tl['l1l2']['ttft_median_ms']:.1f} ms ({tl['l1l2']['engine']}): {tl['speedup']:.1f}x",
+                  flush=True)
+        except Exception as e:
+            errors.append(f"ttft16k: {type(e).__name__}: {e}")
+            print(f"  ttft16k: FAILED {type(e).__name__}: {e}", flush=True)
     for w in workloads:
         if w == "ttft16k" or w not in WORKLOADS:
             continue
@@ -372,7 +383,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             port, engine = make_port(env, mode, l1, l2)
             node = ServingNode(model, port, 1 if w == "rag_ws" else z.max_batch, z.max_batch_tokens)
             fig = Figures(w, mode, engine)
-            run_workload(node, WORKLOADS[w](z, shape.vocab_size, a.seed), fig)
+            try:
+                run_workload(node, WORKLOADS[w](z, shape.vocab_size, a.seed), fig)
+            except Exception as e:  # keep the other rows; the error is reported in the JSON
+                print(f"  {w} {mode}: FAILED {type(e).__name__}: {e}", flush=True)
+                errors.append(f"{w}/{mode}: {type(e).__name__}: {e}")
+                close_port(port)
+                continue
             s = fig.summary()
             s["l1_tokens"], s["l2_tokens"] = l1, (l2 if mode in ("l1l2", "l1l2l3") else 0)
             rows.append(s)
@@ -383,12 +400,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"mean={s['ttft_mean_ms']:8.1f} ms hit={s['hit_rate_total']:.0%} ideal={s['ideal_speedup']:.1f}x",
                   flush=True)
             close_port(port)
-
-    result: dict[str, Any] = {"conditions": conditions, "rows": rows}
-    if "ttft16k" in workloads:
-        result["ttft_long_prefix"] = tl = ttft_long_prefix(env, z)
-        print(f"  ttft {z.long_prefix}-token prefix: recompute {tl['nocache']['ttft_median_ms']:.1f} ms, "
-              f"L2 hit {tl['l1l2']['ttft_median_ms']:.1f} ms ({tl['l1l2']['engine']}): {tl['speedup']:.1f}x sooner")
 
     print()
     print(f"Conditions: {model_name}-shaped decoder ({conditions['params_b']:.1f}B params, random weights), {dtype}, "
