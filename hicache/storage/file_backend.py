@@ -8,6 +8,9 @@ Layout: one file per page, ``<root>/<k0>/<k1>/<key hex>.page`` where ``k0``/``k1
 bytes of the key in hex (``shard_levels`` directories of 256 entries each, so no directory grows huge).
 Each file is one frame (:mod:`hicache.storage.frame`), verified on every read.
 
+Reads land straight in the host pages (page-first pools) and are verified there: only pages ``0..n-1``
+of a ``batch_get`` that returned ``n`` hold valid data.
+
 Atomic writes: a page is written to ``.<key hex>.<pid>.<random>.tmp`` in the same directory and renamed
 into place, so a reader sees the whole page or none of it, even when the writer dies between the write
 and the rename. Temporary files older than ``tmp_max_age_s`` are removed when the store is opened. On

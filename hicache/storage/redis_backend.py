@@ -23,6 +23,9 @@ Storage layout: one string value per page, ``<prefix>{<page key hex>}`` -> frame
 one request hash to different slots and spread over every master; a batch is split per master and the
 parts run in parallel, each one pipelined on one connection.
 
+Reads land straight in the host pages and are verified there; only pages ``0..n-1`` of a ``batch_get``
+that returned ``n`` hold valid data (later pages may have been overwritten with rejected bytes).
+
 Failure model: every operation is retried on transient errors with backoff; when it still fails the
 error is counted, the operation reports a miss / nothing stored, and a circuit breaker keeps later
 operations off the store until a probe succeeds (:mod:`hicache.storage.retry`). Nothing raises into the

@@ -52,10 +52,11 @@ def free_port(cluster_bus: bool = False) -> int:
 
 
 class LocalRedis:
-    """One ``redis-server`` on 127.0.0.1; ``extra`` are more ``--option value`` arguments."""
+    """One ``redis-server`` on 127.0.0.1; ``extra`` are more ``--option value`` arguments; ``password``
+    sets ``requirepass`` (and is used by :meth:`client`)."""
 
     def __init__(self, port: int | None = None, extra: tuple[str, ...] = (), cluster: bool = False,
-                 workdir: Path | None = None) -> None:
+                 workdir: Path | None = None, password: str | None = None) -> None:
         binary = redis_server_binary()
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
@@ -64,7 +65,8 @@ class LocalRedis:
         self.port = port or free_port(cluster_bus=cluster)
         self._own_dir = workdir is None
         self.dir = workdir or Path(tempfile.mkdtemp(prefix=f"hicache-redis-{self.port}-"))
-        self.extra = extra
+        self.password = password
+        self.extra = (*extra, "--requirepass", password) if password else extra
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -72,7 +74,7 @@ class LocalRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5)
 
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

@@ -1,0 +1,125 @@
+"""Redis specifics against real redis-server processes: Cluster spread, AUTH/ACL, TTL, a store that dies."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from hicache.storage.redis_backend import RedisBackend
+from hicache.storage.redis_local import LocalRedis
+from storage.conftest import make_pool, needs_redis, page_keys, pages_equal
+
+pytestmark = [pytest.mark.redis, needs_redis]
+
+FAST_FAIL = {"timeout_s": 0.5, "connect_timeout_s": 0.2, "retry_attempts": 2, "retry_base_s": 0.005,
+             "breaker_base_s": 0.05, "breaker_max_s": 0.2}
+
+
+def test_cluster_spreads_one_request_over_all_masters(redis_cluster, open_backend, prefix) -> None:
+    b = open_backend(redis_cluster.url, prefix=prefix)
+    assert isinstance(b, RedisBackend)
+    keys = page_keys(96, "spread")  # one request's chain of pages
+    src, dst = make_pool(96, seed=5), make_pool(96, seed=None)
+    assert b.batch_set(keys, src, list(range(96))) == 96
+    counts = b.key_counts()
+    assert len(counts) == 3 and all(c >= 16 for c in counts.values()), counts
+    assert sum(counts.values()) == 96
+    assert b.batch_exists(keys) == 96
+    assert b.batch_get(keys, dst, list(range(96))) == 96
+    assert pages_equal(src, dst, list(range(96)), list(range(96)))
+    assert b.clear() == 96
+    assert b.batch_exists(keys) == 0
+
+
+def test_acl_user_and_password_from_url(open_backend) -> None:
+    with LocalRedis(password="adminpw") as r:
+        admin = r.client()
+        admin.execute_command("ACL", "SETUSER", "kv", "on", ">s3cr%t", "~hc:*", "+@all")
+        keys = page_keys(4, "acl")
+        src, dst = make_pool(4, seed=6), make_pool(4, seed=None)
+        good = open_backend(f"redis://kv:s3cr%25t@127.0.0.1:{r.port}/0?prefix=hc:")
+        assert good.batch_set(keys, src, [0, 1, 2, 3]) == 4
+        assert good.batch_get(keys, dst, [0, 1, 2, 3]) == 4
+        assert pages_equal(src, dst, [0, 1, 2, 3], [0, 1, 2, 3])
+        assert admin.exists(b"hc:{" + keys[0].hex().encode() + b"}") == 1
+        # Wrong password / a prefix the ACL forbids: errors are counted, nothing raises, nothing is served.
+        bad = open_backend(f"redis://kv:wrong@127.0.0.1:{r.port}/0?prefix=hc:", **FAST_FAIL)
+        assert bad.batch_exists(keys) == 0 and bad.batch_get(keys, dst, [0, 1, 2, 3]) == 0
+        assert bad.stats().errors >= 1
+        denied = open_backend(f"redis://kv:s3cr%25t@127.0.0.1:{r.port}/0?prefix=other:", **FAST_FAIL)
+        assert denied.batch_set(keys, src, [0, 1, 2, 3]) == 0
+        assert denied.stats().errors >= 1
+        admin.close()
+
+
+def test_ttl_applies_and_reads_push_it_out(redis_single, open_backend, prefix) -> None:
+    b = open_backend(redis_single.url, prefix=prefix, ttl_s=30)
+    keys = page_keys(3, "ttl")
+    assert b.batch_set(keys, make_pool(3), [0, 1, 2]) == 3
+    c = redis_single.client()
+    rk = b.redis_key(keys[0])
+    assert 0 < c.pttl(rk) <= 30_000
+    c.pexpire(rk, 5_000)
+    assert b.batch_get(keys, make_pool(3, seed=None), [0, 1, 2]) == 3
+    assert c.pttl(rk) > 5_000  # GETEX refreshed it
+    c.close()
+
+
+def test_store_killed_mid_run_raises_nothing_and_comes_back(open_backend) -> None:
+    r = LocalRedis().start()
+    try:
+        b = open_backend(r.url, **FAST_FAIL)
+        keys = page_keys(64, "kill")
+        src, dst = make_pool(64, seed=7), make_pool(64, seed=None)
+        assert b.batch_set(keys, src, list(range(64))) == 64
+        stop = threading.Event()
+        raised: list[BaseException] = []
+
+        def hammer() -> None:
+            while not stop.is_set():
+                try:
+                    b.batch_get(keys, make_pool(64, seed=None), list(range(64)))
+                    b.batch_exists(keys)
+                    b.batch_set(keys[:8], src, list(range(8)))
+                except BaseException as e:  # the contract: never
+                    raised.append(e)
+
+        threads = [threading.Thread(target=hammer) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        r.kill()  # SIGKILL while batches are in flight
+        time.sleep(0.4)
+        assert b.batch_exists(keys) == 0
+        assert b.batch_get(keys, dst, list(range(64))) == 0
+        assert b.batch_set(keys, src, list(range(64))) == 0
+        errors_down = b.stats().errors
+        assert errors_down >= 1
+        r.start()  # same port, empty store (no persistence)
+        deadline = time.monotonic() + 5
+        while b.batch_set(keys, src, list(range(64))) != 64:
+            assert time.monotonic() < deadline, "L3 did not come back after the store restarted"
+            time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert raised == []
+        assert b.batch_exists(keys) == 64
+        assert b.batch_get(keys, dst, list(range(64))) == 64
+        assert pages_equal(src, dst, list(range(64)), list(range(64)))
+    finally:
+        r.stop()
+
+
+def test_unreachable_store_fails_fast_after_first_error(open_backend) -> None:
+    from hicache.storage.redis_local import free_port
+    b = open_backend(f"redis://127.0.0.1:{free_port()}/0", **{**FAST_FAIL, "breaker_base_s": 5, "breaker_max_s": 5})
+    keys = page_keys(8, "down")
+    t0 = time.perf_counter()
+    for _ in range(50):
+        assert b.batch_exists(keys) == 0
+    assert time.perf_counter() - t0 < 1.0  # the breaker keeps requests off a dead store
+    st = b.stats()
+    assert st.errors == 50 and st.extra.get("breaker_skips", 0) == 49
