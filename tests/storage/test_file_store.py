@@ -1,0 +1,130 @@
+"""File store: atomic writes survive a writer killed mid-way; oldest-first size cap; stale temp files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hicache.storage.file_backend import FileBackend
+from hicache.storage.frame import HEADER_BYTES
+from storage.conftest import LAYOUT, NS, make_pool, page_keys, pages_equal
+
+FRAME = HEADER_BYTES + LAYOUT.bytes_per_page
+
+# A writer that stores pages 0-3, then dies by SIGKILL at ``where`` while storing page 4.
+WRITER = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    from storage.conftest import LAYOUT, NS, make_pool, page_keys
+    from hicache.storage import StorageContext, create_backend
+
+    class Dying:
+        def __init__(self, fs, where):
+            self._fs, self._where = fs, where
+        def __getattr__(self, name):
+            return getattr(self._fs, name)
+        def move(self, src, dst):
+            if self._where == "before_rename":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return self._fs.move(src, dst)
+        def open_output_stream(self, path):
+            out = self._fs.open_output_stream(path)
+            if self._where != "mid_write":
+                return out
+            class Half:
+                def __enter__(s): return s
+                def __exit__(s, *a): return False
+                def write(s, data):
+                    out.write(data)
+                    out.flush()
+                    if len(data) > 100:  # the payload: half of it is on disk, then the process dies
+                        os.kill(os.getpid(), signal.SIGKILL)
+            return Half()
+
+    b = create_backend({root!r}, StorageContext(NS, LAYOUT), io_threads=1)
+    keys, pool = page_keys(5, "crash"), make_pool(5, seed=9)
+    assert b.batch_set(keys[:4], pool, [0, 1, 2, 3]) == 4
+    b.fs = Dying(b.fs, {where!r})
+    b.batch_set(keys[4:], pool, [4])
+    print("survived", flush=True)
+""")
+
+
+@pytest.mark.parametrize("where", ["before_rename", "mid_write"])
+def test_writer_killed_before_rename_never_exposes_a_partial_page(tmp_path: Path, where: str) -> None:
+    root = tmp_path / "store"
+    script = WRITER.format(tests=str(Path(__file__).parents[1]), root=str(root), where=where)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9, (proc.returncode, proc.stdout, proc.stderr)  # SIGKILL, not an exit
+    assert "survived" not in proc.stdout
+    temps = list(root.rglob("*.tmp"))
+    assert len(temps) == 1  # the dead writer's temporary file is all that is left of page 4
+
+    keys, src = page_keys(5, "crash"), make_pool(5, seed=9)
+    b = FileBackend(str(root), _ctx())
+    dst = make_pool(5, seed=None)
+    assert b.batch_exists(keys) == 4
+    assert b.batch_get(keys, dst, [0, 1, 2, 3, 4]) == 4
+    assert pages_equal(src, dst, [0, 1, 2, 3], [0, 1, 2, 3])
+    assert b.stats().corrupt_pages == 0  # the half-written page was never visible, not even as damage
+    assert temps[0].exists()  # younger than tmp_max_age_s: maybe a live writer's, left alone
+    b.close()
+    FileBackend(str(root), _ctx(), tmp_max_age_s=0).close()  # opening sweeps stale temporaries
+    assert list(root.rglob("*.tmp")) == []
+    b = FileBackend(str(root), _ctx())
+    assert b.batch_set(keys[4:], src, [4]) == 1 and b.batch_exists(keys) == 5
+    b.close()
+
+
+def _ctx():  # type: ignore[no-untyped-def]
+    from hicache.storage import StorageContext
+    return StorageContext(NS, LAYOUT)
+
+
+def test_truncated_page_file_is_a_counted_miss(tmp_path: Path) -> None:
+    b = FileBackend(str(tmp_path), _ctx())
+    keys = page_keys(2, "trunc")
+    assert b.batch_set(keys, make_pool(2), [0, 1]) == 2
+    with open(b.path(keys[1]), "r+b") as f:
+        f.truncate(FRAME - 7)
+    assert b.batch_get(keys, make_pool(2, seed=None), [0, 1]) == 1
+    assert b.stats().corrupt_pages == 1
+    assert b.batch_exists(keys) == 1  # the damaged file was dropped
+    b.close()
+
+
+def test_size_cap_sweeps_oldest_first(tmp_path: Path) -> None:
+    b = FileBackend(f"file://{tmp_path}", _ctx(), max_bytes=10 * FRAME, sweep_to=0.9, io_threads=1)
+    pool = make_pool(15, seed=10)
+    a, bb, c = page_keys(5, "A"), page_keys(5, "B"), page_keys(5, "C")
+    assert b.batch_set(a, pool, range(5)) == 5  # type: ignore[arg-type]
+    assert b.batch_set(bb, pool, range(5, 10)) == 5  # type: ignore[arg-type]
+    assert b.stored_bytes == 10 * FRAME  # at the cap, not over it
+    assert b.batch_get(a, make_pool(5, seed=None), range(5)) == 5  # type: ignore[arg-type]  # A is fresh again
+    assert b.batch_set(c, pool, range(10, 15)) == 5  # type: ignore[arg-type]
+    assert b.stored_bytes <= 9 * FRAME
+    assert sum(os.path.exists(b.path(k)) for k in bb) == 0  # the oldest went first
+    assert all(os.path.exists(b.path(k)) for k in c)
+    assert sum(os.path.exists(b.path(k)) for k in a) == 4
+    assert b.stats().extra["swept_pages"] == 6
+    b.close()
+    again = FileBackend(str(tmp_path), _ctx(), max_bytes=10 * FRAME)  # a reopened store knows its size
+    assert again.stored_bytes == 9 * FRAME
+    again.close()
+
+
+def test_unwritable_store_counts_errors_and_never_raises(tmp_path: Path) -> None:
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_bytes(b"x")
+    b = FileBackend(str(blocker / "store"), _ctx())  # cannot create a directory under a file
+    keys = page_keys(3, "ro")
+    assert b.batch_set(keys, make_pool(3), [0, 1, 2]) == 0
+    assert b.batch_get(keys, make_pool(3, seed=None), [0, 1, 2]) == 0
+    assert b.batch_exists(keys) == 0
+    assert b.stats().errors >= 3
+    b.close()

@@ -1,0 +1,188 @@
+"""L3 through the cache: evicted pages come back from every backend byte for byte; damage is counted in
+the cache's metrics; a store that dies and returns never breaks a request."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import read_kv, serve, small_config, write_kv
+from hicache.cache import HiCache
+from hicache.storage.redis_backend import RedisBackend
+from hicache.storage.redis_local import LocalRedis
+from storage.conftest import BACKENDS, needs_redis
+
+FAST_FAIL = {"timeout_s": 0.5, "connect_timeout_s": 0.2, "retry_attempts": 2, "retry_base_s": 0.005,
+             "breaker_base_s": 0.05, "breaker_max_s": 0.2}
+
+
+def cache_for(url: str, options: dict[str, Any], **storage: Any) -> HiCache:
+    cfg = small_config(cache={"write_policy": "write_through"},
+                       storage={"url": url, "options": options, **storage})
+    return HiCache(cfg)
+
+
+def kv_equal(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
+    return all(torch.equal(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def commit_fresh(cache: HiCache, tokens: list[int], seed: int) -> list[list[torch.Tensor]]:
+    req = cache.match(tokens)
+    pages = cache.alloc(req, len(tokens) // cache.page_size)
+    kv = write_kv(cache, pages, seed)
+    cache.commit(req, tokens, pages)
+    cache.release(req)
+    return kv
+
+
+def metric(cache: HiCache, name: str, **labels: str) -> float:
+    return cache.metrics.registry.get_sample_value(name, labels or None) or 0.0
+
+
+@pytest.mark.parametrize("backend_url", [p for p in BACKENDS if p.id != "memory"], indirect=True)
+def test_evicted_pages_come_back_from_l3_byte_identical(backend_url) -> None:
+    url, opts = backend_url
+    cache = cache_for(url, opts)
+    try:
+        tokens = list(range(1, 33))  # 8 pages
+        kv = commit_fresh(cache, tokens, seed=21)
+        rep = cache.flush(10)
+        assert rep is not None and rep.complete and rep.written_pages == 8
+        cache.evict(l1_pages=8, l2_pages=8)
+        req = cache.match(tokens)
+        assert (req.l1_pages, req.l2_pages, req.l3_pages) == (0, 0, 8)
+        assert cache.prefetch(req) == 8
+        load = cache.load_back(req)
+        load.wait()
+        assert (load.l2_pages, load.l3_pages) == (8, 8)
+        assert kv_equal(read_kv(cache, load.device_indices), kv)
+        cache.check_integrity([req])
+        cache.release(req)
+        cache.check_integrity()
+        assert metric(cache, "hicache_hit_tokens_total", tier="l3") == 32
+        assert metric(cache, "hicache_prefetch_tokens_total") == 32
+    finally:
+        cache.close()
+
+
+@pytest.mark.redis
+@needs_redis
+def test_damaged_page_in_redis_is_a_miss_counted_in_metrics(redis_single, prefix) -> None:
+    cache = cache_for(redis_single.url, {"prefix": prefix})
+    try:
+        tokens = list(range(500, 532))
+        kv = commit_fresh(cache, tokens, seed=22)
+        cache.flush(10)
+        cache.evict(l1_pages=8, l2_pages=8)
+        store = cache.storage
+        assert isinstance(store, RedisBackend)
+        c = redis_single.client()
+        req0 = cache.match(tokens)
+        rk = store.redis_key(req0.keys[5])
+        cache.release(req0)
+        v = c.getrange(rk, 200, 200)
+        c.setrange(rk, 200, bytes([v[0] ^ 0x01]))  # one bit, inside the payload
+        c.close()
+        req = cache.match(tokens)
+        assert req.l3_pages == 8  # exists cannot know; the read verifies
+        cache.prefetch(req)
+        load = cache.load_back(req)
+        load.wait()
+        assert load.l3_pages == 5  # pages 0-4 only: the damaged page 5 and everything after it are misses
+        assert kv_equal(read_kv(cache, load.device_indices), [[t[:5] for t in layer] for layer in kv])
+        cache.release(req)
+        cache.check_integrity()
+        cache.stats()  # folds backend counters into metrics
+        assert metric(cache, "hicache_storage_corrupt_pages_total") == 1
+    finally:
+        cache.close()
+
+
+@pytest.mark.redis
+@needs_redis
+def test_redis_dying_mid_run_never_breaks_a_request_and_l3_returns() -> None:
+    r = LocalRedis().start()
+    cache = cache_for(r.url, FAST_FAIL, prefetch_policy="timeout", prefetch_timeout_base_s=0.5)
+    try:
+        docs = [list(range(1000 * d, 1000 * d + 32)) for d in range(6)]
+        for i, d in enumerate(docs[:3]):
+            commit_fresh(cache, d, seed=30 + i)
+        cache.flush(10)
+        r.kill()  # the store dies
+        for i, d in enumerate(docs):  # serving goes on: L1/L2 hits for the first docs, misses elsewhere
+            req, load = serve(cache, [*d, 7, 7, 7, 7], seed=40 + i)
+            if i < 3:
+                assert req.l1_pages + req.l2_pages == 8
+            cache.release(req)
+        cache.flush(5)
+        cache.evict(l1_pages=64, l2_pages=64)
+        req = cache.match(docs[0])
+        assert req.l3_pages == 0  # L3 gone: a miss, not an error
+        cache.prefetch(req)
+        cache.load_back(req).wait()
+        cache.release(req)
+        cache.check_integrity()
+        cache.stats()
+        assert metric(cache, "hicache_storage_errors_total") >= 1
+
+        r.start()  # back (empty: no persistence)
+        time.sleep(0.3)  # past the breaker's cooldown
+        kv = commit_fresh(cache, docs[5], seed=50)
+        deadline = time.monotonic() + 5
+        while True:
+            rep = cache.flush(5)
+            req = cache.match(docs[5], l3=False)
+            cache.release(req)
+            if rep is not None and cache.storage is not None and cache.storage.batch_exists(req.keys) == 8:
+                break
+            assert time.monotonic() < deadline, "writes did not resume after the store came back"
+            commit_fresh(cache, docs[5], seed=50)
+            time.sleep(0.05)
+        cache.evict(l1_pages=64, l2_pages=64)
+        req = cache.match(docs[5])
+        assert req.l3_pages == 8
+        cache.prefetch(req)
+        load = cache.load_back(req)
+        load.wait()
+        assert load.l3_pages == 8 and kv_equal(read_kv(cache, load.device_indices), kv)
+        cache.release(req)
+        cache.check_integrity()
+    finally:
+        cache.close()
+        r.stop()
+
+
+def test_prefetch_bytes_in_flight_are_bounded_and_release_cancels(tmp_path) -> None:
+    from hicache.layout import KVLayout
+    url = f"file://{tmp_path}"
+    lay = small_config().layout.to_layout()
+    assert isinstance(lay, KVLayout)
+    cache = cache_for(url, {}, prefetch_max_inflight_bytes=8 * lay.bytes_per_page)
+    try:
+        a, b = list(range(1, 33)), list(range(101, 133))
+        commit_fresh(cache, a, seed=60)
+        commit_fresh(cache, b, seed=61)
+        cache.flush(10)
+        cache.evict(l1_pages=64, l2_pages=64)
+        ra, rb = cache.match(a), cache.match(b)
+        assert ra.l3_pages == rb.l3_pages == 8
+        assert cache.prefetch(ra) == 8
+        assert cache.prefetch(rb) == 0  # would exceed the bound: refused and counted
+        assert metric(cache, "hicache_prefetch_aborted_total") == 1
+        used = cache.host_pool.allocator.used_pages
+        cache.check_integrity([ra, rb])
+        cache.release(ra)  # the request goes away mid-prefetch: its host pages come back
+        assert cache.host_pool.allocator.used_pages == used - 8
+        assert cache.prefetch(rb) == 8  # room again
+        load = cache.load_back(rb)
+        load.wait()
+        assert load.l3_pages == 8
+        cache.release(rb)
+        cache.check_integrity()
+        assert np.all(cache.host_pool.allocator.allocated() >= 0)
+    finally:
+        cache.close()
