@@ -56,9 +56,11 @@ def classify(text: str) -> str:
 class SpanGroup:
     """Volatile spans sharing anchors: the same field in every prompt."""
 
-    left: tuple[int, ...]  # tokens just before the span (up to 3)
+    right: tuple[int, ...]  # tokens just after the span (up to 3): where the prompts re-synchronise
     kind: str
-    rights: dict[tuple[int, ...], int] = field(default_factory=dict)  # tokens just after it -> times seen
+    lefts: dict[tuple[int, ...], int] = field(default_factory=dict)  # tokens just before it -> times seen
+    max_len: int = 0  # longest span seen (a span may start late when ids share leading digits by chance)
+    min_end: int = 1 << 62  # earliest token offset of its end
     count: int = 0  # requests where it broke reuse
     tokens_lost: int = 0  # tokens after it that would have matched the nearest prompt
     positions: list[int] = field(default_factory=list)  # token offset of the span in each request
@@ -88,7 +90,7 @@ class DoctorReport:
         d = dict(vars(self))
         for key in ("groups", "rejected"):
             d[key] = [{"kind": g.kind, "count": g.count, "tokens_lost": g.tokens_lost, "context": g.context,
-                       "examples": g.examples, "median_position": g.median_position, "left": list(g.left)}
+                       "examples": g.examples, "median_position": g.median_position, "right": list(g.right)}
                       for g in getattr(self, key)]
         return d
 
@@ -196,7 +198,7 @@ class Doctor:
         prompts = [r.tokens for r in requests]
         last_with_page: dict[int, int] = {}
         pt = page_trace(requests, self.page_size)
-        groups: dict[tuple[tuple[int, ...], str], SpanGroup] = {}
+        groups: dict[tuple[tuple[int, ...], str], SpanGroup] = {}  # by (right anchor, kind)
         diverging = new_content = 0
         for i, r in enumerate(prompts):
             k, near = trie.nearest(r)
@@ -222,12 +224,14 @@ class Doctor:
                         right = tuple(int(x) for x in r[e: e + 3])
                         span_text = self._text(r[s:e]) if e > s else self._text(n[d: d + b])
                         kind = classify(span_text)
-                        g = groups.get((left, kind))
+                        g = groups.get((right, kind))
                         if g is None:
-                            g = groups[(left, kind)] = SpanGroup(left, kind)
+                            g = groups[(right, kind)] = SpanGroup(right, kind)
                             g.context = (self._text(r[max(0, s - 3): s]) + " [" + span_text + "] "
                                          + self._text(r[e: e + 3]))
-                        g.rights[right] = g.rights.get(right, 0) + 1
+                        g.lefts[left] = g.lefts.get(left, 0) + 1
+                        g.max_len = max(g.max_len, e - s)
+                        g.min_end = min(g.min_end, e)
                         g.count += 1
                         g.tokens_lost += _lcp(r[d + a:], n[d + b:])
                         g.positions.append(s)
@@ -240,6 +244,24 @@ class Doctor:
         return kept, diverging, new_content
 
     # ------------------------------------------------------------------ fix simulation
+    def _span(self, toks: np.ndarray, g: SpanGroup) -> tuple[int, int] | None:
+        """Where ``g``'s span lies in ``toks``: it ends at the right anchor and starts after the earliest of the
+        left anchors seen (else ``max_len`` tokens before the end)."""
+        if not g.right or not g.max_len:
+            return None
+        e = _find(toks, np.asarray(g.right, dtype=np.uint32), max(0, g.min_end - g.max_len))
+        if e < 0:
+            return None
+        s = max(0, e - g.max_len)
+        starts = []
+        for left in g.lefts:
+            at = _find(toks, np.asarray(left, dtype=np.uint32), max(0, s - len(left)), e) if left else -1
+            if 0 <= at and at + len(left) <= e:
+                starts.append(at + len(left))
+        if starts:
+            s = min(starts)  # the widest span: some anchors end inside the field (ids sharing leading digits)
+        return (s, e) if e > s else None
+
     def fix(self, requests: Sequence[TraceRequest], groups: Sequence[SpanGroup]) -> list[TraceRequest]:
         """The requests with every group's span moved to the end of the prompt."""
         out = []
@@ -247,17 +269,9 @@ class Doctor:
             toks = req.tokens
             moved: list[np.ndarray] = []
             for g in groups:
-                left = np.asarray(g.left, dtype=np.uint32)
-                s = _find(toks, left) + len(left) if len(left) else 0
-                if len(left) and s < len(left):
-                    continue
-                ends = [_find(toks, np.asarray(rt, dtype=np.uint32), s, s + self.max_span + 8) if rt else len(toks)
-                        for rt in g.rights]
-                ends = [e for e in ends if e >= s]
-                if not ends:
-                    continue
-                e = min(ends)
-                if e > s:
+                span = self._span(toks, g)
+                if span is not None:
+                    s, e = span
                     moved.append(toks[s:e].copy())
                     toks = np.concatenate([toks[:s], toks[e:]])
             if moved:

@@ -57,8 +57,8 @@ class BenchOptions:
     seed: int = 0
     plant: str | None = None  # volatile span planted at the start of workload prompts
     tokenizer: str | None = None
-    l1: Size = field(default_factory=lambda: parse_size("15%"))
-    l2: Size = field(default_factory=lambda: parse_size("50%"))
+    l1: Size = field(default_factory=lambda: parse_size("10%"))
+    l2: Size = field(default_factory=lambda: parse_size("25%"))
     l3: str = "file"  # "file" (temporary folder), "memory", "none" or a storage URL
     page_size: int | None = None  # None: 64, or 512 for Mooncake traces
     write_policy: str = "write_through_selective"
@@ -273,7 +273,8 @@ def run_bench(opts: BenchOptions, wl: Workload | None = None,
     pts = curve(reqs, pt, opts.curve, opts.eviction_policy, tick)
     return BenchResult(
         source=wl.source, requests=len(reqs), prompt_tokens=pt.total_prompt_tokens, working_set_tokens=ws,
-        page_size=ps, model_layout=f"{opts.model_layout} ({layout.describe()})", bytes_per_token=bpt,
+        page_size=ps, model_layout=f"{opts.model_layout}: {layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
+        f"{layout.head_dim} {layout.dtype} {layout.attention}", bytes_per_token=bpt,
         l1_tokens=l1, l2_tokens=l2, l3=l3_desc, target=opts.target,
         policies={"write": opts.write_policy, "eviction": opts.eviction_policy, "prefetch": opts.prefetch_policy},
         tiers=_tiers(r), reused_tokens=int(r.reused.sum()),

@@ -7,7 +7,7 @@ says how many prompt tokens each tier hit and how many were not recomputed.
 * :class:`InProcessTarget` -- a :class:`~hicache.cache.HiCache` in this process. For hit-rate purposes
   the KV layout may be tiny (one layer, one head, ``head_dim`` 1): copies are then negligible and the
   hit rate is the same as with the real layout, which only scales bytes.
-* :class:`GrpcTarget` -- a node (or router) at ``grpc://host:port`` through :mod:`hicache.client`.
+* :class:`GrpcTarget` -- a node at ``grpc://host:port`` through :mod:`hicache.client` (imported only then).
 
 :func:`open_target` picks one from a string (``inproc`` or ``grpc://host:port``).
 """
@@ -15,7 +15,6 @@ says how many prompt tokens each tier hit and how many were not recomputed.
 from __future__ import annotations
 
 import abc
-import importlib
 import time
 from typing import Any, NamedTuple
 
@@ -85,17 +84,22 @@ class InProcessTarget(Target):
                 pass  # the L2 run does not fit on L1 now: those tokens are recomputed
             have = len(r.device_indices)
             seq = np.concatenate([req.tokens, req.output]) if len(req.output) else req.tokens
-            need = len(seq) // ps - have
-            room = c.device_pool.num_pages - c.tree.locked_device_pages
-            n = max(0, min(need, room))  # a request longer than L1 caches what fits
+            n = len(seq) // ps - have
+            pages = None
             if n > 0:
                 try:
                     pages = c.alloc(r, n)
-                except CacheFullError:
-                    self.commit_skipped += 1
-                else:
-                    c.commit(r, seq[: (have + n) * ps], np.concatenate([r.device_indices, pages]))
-                    committed = (have + n) * ps
+                except CacheFullError:  # longer than what L1 can free now: cache what fits
+                    n = min(n, c.device_pool.num_pages - c.tree.locked_device_pages)
+                    try:
+                        pages = c.alloc(r, n) if n > 0 else None
+                    except CacheFullError:
+                        pages = None
+                    if pages is None:
+                        self.commit_skipped += 1
+            if pages is not None:
+                c.commit(r, seq[: (have + n) * ps], np.concatenate([r.device_indices, pages]))
+                committed = (have + n) * ps
         finally:
             c.release(r)
         return Outcome(l1 * ps, l2 * ps, l3 * ps, have * ps, committed, time.perf_counter() - t0)
@@ -113,47 +117,62 @@ class InProcessTarget(Target):
 
 
 class GrpcTarget(Target):
-    """A node or router over gRPC. Needs :mod:`hicache.client` (``connect(url)`` returning a client with
-    ``match(tokens)``, ``commit(handle, tokens)``, ``release(handle)`` and ``stats()``)."""
+    """A node over gRPC through :class:`hicache.client.HiCacheClient`: Match, then Prefetch (L3 -> L2 -> L1)
+    when L2/L3 continue the prefix, Allocate, Commit, Release -- the calls a serving engine makes."""
 
     name = "grpc"
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, timeout_s: float = 30.0) -> None:
         try:
-            mod = importlib.import_module("hicache.client")
+            import grpc
+
+            from hicache.client import HiCacheClient
         except ImportError as e:
             raise BenchInputError(f"--target {url}: the gRPC client (hicache.client) is not available ({e})") from None
-        connect = getattr(mod, "connect", None)
-        if connect is None:
-            raise BenchInputError(f"--target {url}: hicache.client has no connect(url)")
-        try:
-            self.client = connect(url)
-        except Exception as e:  # noqa: BLE001 - unreachable node, bad address: user input
-            raise BenchInputError(f"--target {url}: cannot connect ({e})") from None
-        self.page_size = int(getattr(self.client, "page_size", 0) or 0)
+        self._rpc_error = grpc.RpcError
         self.url = url
+        self.client = HiCacheClient(url.removeprefix("grpc://"), timeout_s=timeout_s)
+        try:
+            self.client.wait_ready(timeout_s=min(timeout_s, 10.0))
+        except Exception:  # noqa: BLE001 - grpc.FutureTimeoutError and friends: the node is not there
+            self.client.close()
+            raise BenchInputError(f"--target {url}: no node answering there") from None
+        self.commit_skipped = 0
 
     def serve(self, req: TraceRequest) -> Outcome:
+        c = self.client
         t0 = time.perf_counter()
-        m = self.client.match(req.tokens)
-        ps = self.page_size or int(getattr(m, "page_size", 1))
-        l1, l2, l3 = (int(getattr(m, f, 0)) for f in ("l1_pages", "l2_pages", "l3_pages"))
-        seq = np.concatenate([req.tokens, req.output]) if len(req.output) else req.tokens
+        m = c.match(req.tokens)
+        ps = self.page_size = m.page_size
+        dev = m.device_indices
+        committed = 0
         try:
-            self.client.commit(m, seq)
+            if m.l2_pages + m.l3_pages:
+                for p in c.prefetch(m.request_id):
+                    if p.done:
+                        dev = p.device_indices
+            have = len(dev)
+            seq = np.concatenate([req.tokens, req.output]) if len(req.output) else req.tokens
+            need = len(seq) // ps - have
+            if need > 0:
+                try:
+                    pages = c.allocate(m.request_id, need)
+                    c.commit(m.request_id, seq[: (have + need) * ps], np.concatenate([dev, pages]))
+                    committed = (have + need) * ps
+                except self._rpc_error:
+                    self.commit_skipped += 1  # e.g. RESOURCE_EXHAUSTED: everything locked by others
         finally:
-            self.client.release(m)
-        hit = (l1 + l2 + l3) * ps
-        return Outcome(l1 * ps, l2 * ps, l3 * ps, hit, len(seq) // ps * ps, time.perf_counter() - t0)
+            c.release(m.request_id)
+        return Outcome(m.l1_pages * ps, m.l2_pages * ps, m.l3_pages * ps, have * ps, committed,
+                       time.perf_counter() - t0)
 
     def stats(self) -> dict[str, Any]:
-        s = self.client.stats()
-        return dict(s) if isinstance(s, dict) else {"stats": str(s)}
+        s = vars(self.client.stats()).copy()
+        s["commit_skipped"] = self.commit_skipped
+        return s
 
     def close(self) -> None:
-        close = getattr(self.client, "close", None)
-        if close is not None:
-            close()
+        self.client.close()
 
 
 def open_target(target: str, config: HiCacheConfig) -> Target:
