@@ -39,7 +39,7 @@ KINDS: list[tuple[str, re.Pattern[str]]] = [
 
 def classify(text: str) -> str:
     """Kind of a diverging span from its text (``opaque`` when there is no text)."""
-    if not text or "<" in text and ">" in text and not re.search(r"[A-Za-z]{2,}", re.sub(r"<\d+>", "", text)):
+    if not text or ("<" in text and ">" in text and not re.search(r"[A-Za-z]{2,}", re.sub(r"<\d+>", "", text))):
         return "opaque tokens"
     compact = re.sub(r"\s+(?=[-:/.])|(?<=[-:/.])\s+", "", text.strip())
     dense = compact.replace(" ", "")
@@ -256,7 +256,7 @@ class Doctor:
         starts = []
         for left in g.lefts:
             at = _find(toks, np.asarray(left, dtype=np.uint32), max(0, s - len(left)), e) if left else -1
-            if 0 <= at and at + len(left) <= e:
+            if at >= 0 and at + len(left) <= e:
                 starts.append(at + len(left))
         if starts:
             s = min(starts)  # the widest span: some anchors end inside the field (ids sharing leading digits)

@@ -7,9 +7,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from hicache.bench.run import BenchResult  # noqa: E402
+from hicache.bench.run import BenchResult
 
 
 def plot_result(res: BenchResult, path: Path) -> Path:

@@ -273,8 +273,9 @@ def run_bench(opts: BenchOptions, wl: Workload | None = None,
     pts = curve(reqs, pt, opts.curve, opts.eviction_policy, tick)
     return BenchResult(
         source=wl.source, requests=len(reqs), prompt_tokens=pt.total_prompt_tokens, working_set_tokens=ws,
-        page_size=ps, model_layout=f"{opts.model_layout}: {layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
-        f"{layout.head_dim} {layout.dtype} {layout.attention}", bytes_per_token=bpt,
+        page_size=ps, bytes_per_token=bpt,
+        model_layout=f"{opts.model_layout}: {layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
+        f"{layout.head_dim} {layout.dtype} {layout.attention}",
         l1_tokens=l1, l2_tokens=l2, l3=l3_desc, target=opts.target,
         policies={"write": opts.write_policy, "eviction": opts.eviction_policy, "prefetch": opts.prefetch_policy},
         tiers=_tiers(r), reused_tokens=int(r.reused.sum()),

@@ -15,6 +15,7 @@ says how many prompt tokens each tier hit and how many were not recomputed.
 from __future__ import annotations
 
 import abc
+import contextlib
 import time
 from typing import Any, NamedTuple
 
@@ -78,10 +79,8 @@ class InProcessTarget(Target):
         try:
             if l3:
                 c.prefetch(r)
-            try:
+            with contextlib.suppress(CacheFullError):  # the L2 run does not fit on L1 now: recomputed
                 c.load_back(r).wait()
-            except CacheFullError:
-                pass  # the L2 run does not fit on L1 now: those tokens are recomputed
             have = len(r.device_indices)
             seq = np.concatenate([req.tokens, req.output]) if len(req.output) else req.tokens
             n = len(seq) // ps - have
@@ -134,7 +133,7 @@ class GrpcTarget(Target):
         self.client = HiCacheClient(url.removeprefix("grpc://"), timeout_s=timeout_s)
         try:
             self.client.wait_ready(timeout_s=min(timeout_s, 10.0))
-        except Exception:  # noqa: BLE001 - grpc.FutureTimeoutError and friends: the node is not there
+        except Exception:
             self.client.close()
             raise BenchInputError(f"--target {url}: no node answering there") from None
         self.commit_skipped = 0

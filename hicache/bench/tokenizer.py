@@ -88,5 +88,5 @@ def load_tokenizer(name: str | None) -> Tokenizer:
                               "(use the built-in 'word' tokenizer)") from None
     try:
         return _HFTokenizer(AutoTokenizer.from_pretrained(name))
-    except Exception as e:  # noqa: BLE001 - any loading failure is a user input problem
+    except Exception as e:
         raise BenchInputError(f"--tokenizer {name}: cannot load ({e})") from None

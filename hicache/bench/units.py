@@ -53,7 +53,7 @@ def parse_size(text: str, what: str = "size") -> Size:
     value, suffix = float(m.group(1)), m.group(2)
     low = suffix.lower()
     if suffix == "%":
-        if not 0 < value:
+        if not value > 0:
             raise BenchInputError(f"{what}: percentage must be > 0, got {text!r}")
         return Size(fraction=value / 100.0)
     if low in _TOKEN_SUFFIX and not low.endswith("b"):

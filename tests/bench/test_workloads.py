@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -40,7 +42,7 @@ def test_multiturn_prompt_extends_previous_turn() -> None:
     by_session: dict[str, list] = {}
     for r in reqs:
         by_session.setdefault(r.session, []).append(r)
-    pairs = [(a, b) for turns in by_session.values() for a, b in zip(turns, turns[1:], strict=False)]
+    pairs = [(a, b) for turns in by_session.values() for a, b in itertools.pairwise(turns)]
     assert pairs
     for a, b in pairs:
         whole = np.concatenate([a.tokens, a.output])

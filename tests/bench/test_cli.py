@@ -1,0 +1,68 @@
+"""``hicache bench`` / ``hicache doctor`` end to end: outputs, and exit code 2 with one line on bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hicache.cli import main
+
+SMALL = ["--requests", "40", "--capacities", "10,100", "--quiet"]
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], *needles: str) -> None:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err
+
+
+def test_bench_writes_report_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert main(["bench", *SMALL, "--workload", "rag", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Hit rate by tier" in text and "offline optimum" in text and "advice:" in text
+    res = json.loads((out / "result.json").read_text())
+    assert res["requests"] == 40
+    assert 0 < res["hit_rate"] <= res["optimal_same_capacity"] + 1e-9 <= res["infinite"] + 2e-9
+    assert len(res["curve"]) == 2 and res["curve"][1]["policy"] == pytest.approx(res["infinite"])
+    assert (out / "requests.csv").read_text().count("\n") == 41
+    assert (out / "hit_rate.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_trace_and_doctor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": i, "prompt": f"Now: 2026-12-02 10:00:{i:02d}\nYou are a helpful assistant. " * 1
+             + "Reference text about cache hierarchies and prefix sharing. " * 20 + f"Question {i}?"}
+            for i in range(30)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["bench", "--trace", str(trace), "--page-size", "4", "--l3", "none", "--doctor", "--quiet",
+                 "--capacities", "", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "timestamp" in out
+    doc = json.loads((tmp_path / "r.json").read_text())["doctor"]
+    assert doc["groups"][0]["kind"] == "timestamp" and doc["after_infinite"] > doc["before_infinite"]
+    assert main(["doctor", "--trace", str(trace), "--page-size", "4"]) == 0
+
+
+def test_bad_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"tokens": [1, 2]}\n{"tokens": [3]}\n{oops\n')
+    assert main(["bench", "--trace", str(trace), "--quiet"]) == 2
+    _one_line_error(capsys, f"{trace}:3", "not valid JSON")
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["bench", "--trace", "/nonexistent/trace.jsonl"], ["/nonexistent/trace.jsonl", "no such file"]),
+    (["bench", "--workload", "chat"], ["unknown workload 'chat'"]),
+    (["bench", "--l1", "lots"], ["--l1", "not a size"]),
+    (["bench", "--eviction-policy", "random"], ["unknown policy"]),
+    (["bench", "--target", "tcp://x"], ["--target"]),
+    (["doctor", "--trace", "/nonexistent/t.jsonl"], ["no such file"]),
+    (["doctor", "--workload", "chat"], ["unknown workload"]),
+])
+def test_bad_input_exits_2(argv: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*argv, "--quiet"] if argv[0] == "bench" else argv) == 2
+    _one_line_error(capsys, *needles)
