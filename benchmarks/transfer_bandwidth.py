@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -162,6 +162,14 @@ class Setup:
 
 
 # ---------------------------------------------------------------------- sections
+class Burst(NamedTuple):
+    """Transfers submitted back to back, with events around them on their stream."""
+
+    handles: list[TransferHandle]
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+
+
 def _load(eng: CudaTransferEngine, s: Setup) -> list[TransferHandle]:
     return [eng.load(s.h, s.d)]
 
@@ -222,41 +230,68 @@ def gemm_time(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
 
 
 def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    """GEMM time next to transfers over GEMM time alone, measured in alternating pairs.
+
+    Both samples of a pair start after the same idle gap on the compute stream (clock and power state
+    alike); in the concurrent sample the transfers are submitted at the start of the gap.
+    """
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     k = args.gemms
+    gap = 0.01
     for _ in range(3):
         gemm_time(a, b, k)
-    alone = median([gemm_time(a, b, k) for _ in range(args.reps)])
     s = Setup(layout_for_piece(64 << 10, args.layers), args.total_mib << 20, seed=99)
+    L = s.layout.num_layers
     rows = []
     configs: list[tuple[str, str, dict[str, Any]]] = [("h2d", "kernel", {"blocks": bl}) for bl in args.blocks_sweep]
     configs += [("d2h", "kernel", {}), ("h2d", "copy_engine", {}), ("d2h", "copy_engine", {})]
+
+    def gemm_after_gap(submit: Callable[[], Burst] | None) -> tuple[float, Burst | None]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        burst = submit() if submit is not None else None
+        time.sleep(max(0.0, t0 + gap - time.perf_counter()))
+        return gemm_time(a, b, k), burst
+
     for direction, backend, kw in configs:
         eng = s.engine(io_backend=backend, **kw)
-        one = s.bytes / ceil[direction]  # seconds per transfer at the ceiling
-        m = max(2, math.ceil(1.5 * alone / one))
-        slow, gbps = [], []
+        one = partial(_load, eng, s) if direction == "h2d" else partial(_backup, eng, s)
+        t_alone_transfer, _ = time_device(one, L, args.reps)
+        alone_gbps = s.bytes / t_alone_transfer / GB
+        m = max(2, math.ceil((gap + 1.5 * gemm_time(a, b, k)) / t_alone_transfer))
+        stream = eng.load_stream if direction == "h2d" else eng.backup_stream
+
+        def many(one: Callable[[], list[TransferHandle]] = one, m: int = m,
+                 stream: torch.cuda.Stream = stream) -> Burst:
+            xs = ev()
+            xs.record(stream)
+            hs = [h for _ in range(m) for h in one()]
+            xe = ev()
+            xe.record(stream)
+            return Burst(hs, xs, xe)
+
+        slow, gbps, alone_ms = [], [], []
         for _ in range(args.reps):
-            torch.cuda.synchronize()
-            xs, xe = ev(), ev()
-            xs.record(eng.load_stream if direction == "h2d" else eng.backup_stream)
-            hs = [eng.load(s.h, s.d) if direction == "h2d" else eng.backup(s.d, s.h) for _ in range(m)]
-            xe.record(eng.load_stream if direction == "h2d" else eng.backup_stream)
-            t = gemm_time(a, b, k)
-            xe.synchronize()
-            for h in hs:
+            t_alone, _ = gemm_after_gap(None)
+            t_conc, burst = gemm_after_gap(many)
+            assert burst is not None
+            burst.end.synchronize()
+            for h in burst.handles:
                 h.wait()
-            slow.append(t / alone - 1)
-            gbps.append(m * s.bytes / (xs.elapsed_time(xe) / 1e3) / GB)
+            slow.append(t_conc / t_alone - 1)
+            alone_ms.append(t_alone * 1e3)
+            gbps.append(m * s.bytes / (burst.start.elapsed_time(burst.end) / 1e3) / GB)
         eng.close()
         row = {"direction": direction, "backend": backend, "blocks": kw.get("blocks", eng.kernel.blocks),
-               "gemm_alone_ms": alone * 1e3, "gemm_slowdown": median(slow), "transfer_gbps": median(gbps),
-               "transfer_ratio": median(gbps) / ceil[direction]}
+               "gemm_alone_ms": median(alone_ms), "gemm_slowdown": median(slow), "transfer_gbps": median(gbps),
+               "transfer_ratio": median(gbps) / ceil[direction], "transfer_alone_gbps": alone_gbps,
+               "transfer_alone_ratio": alone_gbps / ceil[direction]}
         rows.append(row)
         grid = f"{row['blocks']} blocks" if backend == "kernel" else "DMA"
         print(f"GEMM next to {direction} {backend:<11} ({grid:>8}): GEMM {100 * row['gemm_slowdown']:+5.1f}%  "
-              f"transfer {row['transfer_gbps']:5.1f} GB/s ({row['transfer_ratio']:.2f} of ceiling)", flush=True)
+              f"transfer {row['transfer_gbps']:5.1f} GB/s ({row['transfer_ratio']:.2f} of ceiling; "
+              f"alone {alone_gbps:5.1f} = {row['transfer_alone_ratio']:.2f})", flush=True)
     return rows
 
 
@@ -290,13 +325,18 @@ def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict
     per_layer = 2 * t_gemm * ceil["h2d"] * GB
     s = Setup(layout, int(per_layer * layers), seed=5)
     rows = []
-    for backend in ("kernel", "copy_engine"):
-        eng = s.engine(io_backend=backend)
+    configs: list[tuple[str, dict[str, Any]]] = [("kernel", {}), ("kernel", {"layer_signal": "events"}),
+                                                 ("copy_engine", {})]
+    for backend, kw in configs:
+        eng = s.engine(io_backend=backend, **kw)
+        signal = eng.layer_signal if backend == "kernel" else "events"
         t_load, _ = time_device(partial(_load, eng, s), layers, args.reps)
         for k in (1, 2, 4):
             comp = []
             over = []
             for _ in range(args.reps):
+                torch.cuda.synchronize()
+                torch.cuda._sleep(SLEEP_CYCLES)  # same idle-then-busy start as the overlapped sample
                 comp.append(gemm_time(a, b, k * layers))
                 torch.cuda.synchronize()
                 torch.cuda._sleep(SLEEP_CYCLES)
@@ -312,9 +352,11 @@ def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict
                 over.append(x.elapsed_time(y) / 1e3)
             t_comp, t_over = median(comp), median(over)
             ratio = t_over / max(t_load, t_comp)
-            rows.append({"backend": backend, "layers": layers, "load_ms": t_load * 1e3, "compute_ms": t_comp * 1e3,
-                         "overlapped_ms": t_over * 1e3, "ratio_vs_max": ratio, "bytes": s.bytes})
-            print(f"32-layer overlap {backend:<11} compute/load {t_comp / t_load:4.2f}: load {t_load * 1e3:6.2f} ms, "
+            rows.append({"backend": backend, "layer_signal": signal, "layers": layers, "load_ms": t_load * 1e3,
+                         "compute_ms": t_comp * 1e3, "overlapped_ms": t_over * 1e3, "ratio_vs_max": ratio,
+                         "bytes": s.bytes})
+            print(f"32-layer overlap {backend:<11} {signal:<6} compute/load {t_comp / t_load:4.2f}: "
+                  f"load {t_load * 1e3:6.2f} ms, "
                   f"compute {t_comp * 1e3:6.2f} ms, overlapped {t_over * 1e3:6.2f} ms = {ratio:.3f} x max", flush=True)
         eng.close()
     return rows

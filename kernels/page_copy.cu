@@ -21,6 +21,14 @@
 // (coalesced). Each thread issues UNROLL independent loads before its stores, keeping enough reads in
 // flight over PCIe for a small grid (2 blocks x 1024 threads) to fill the link. All offsets are 64-bit.
 //
+// page_load_layers_W: a whole layer-by-layer load in one launch. Blocks walk the layers in order and,
+// after each layer, count themselves done on counters[layer]; the last block of a layer resets the
+// counter and publishes flags[layer] = seq. A consumer stream waits for flags[layer] >= seq with a
+// stream memory wait (cuStreamWaitValue32), so compute on layer i starts as soon as layer i has landed
+// without a host round trip, and the copy needs to win SMs from running compute only once, not once
+// per layer. seq grows by one per load; the launches of one stream never overlap, so the counters are
+// zero at every launch.
+//
 // One entry point per vector width: 16, 8, 4, 2 and 1 bytes. The caller picks the widest width that
 // divides the piece size, every base address and both host strides, so the widths are a pure speed
 // choice: the 1-byte kernel is correct for any piece size and alignment.
@@ -28,7 +36,7 @@
 typedef long long i64;
 typedef unsigned long long u64;
 
-#define PAGE_COPY_UNROLL 4
+#define PAGE_COPY_UNROLL 8
 
 template <typename V>
 __device__ __forceinline__ void page_copy_impl(const u64* __restrict__ dev_ptrs, u64 host_base,
@@ -83,3 +91,43 @@ DEFINE_PAGE_COPY(page_copy_8, uint2)
 DEFINE_PAGE_COPY(page_copy_4, unsigned int)
 DEFINE_PAGE_COPY(page_copy_2, unsigned short)
 DEFINE_PAGE_COPY(page_copy_1, unsigned char)
+
+template <typename V>
+__device__ __forceinline__ void page_load_layers_impl(const u64* __restrict__ dev_ptrs, u64 host_base,
+                                                      i64 host_page_stride, i64 host_lc_stride,
+                                                      const i64* __restrict__ dev_idx,
+                                                      const i64* __restrict__ host_idx, i64 n_pages,
+                                                      int n_layers, int kv_count, i64 piece_vecs,
+                                                      unsigned int* counters, unsigned int* flags,
+                                                      unsigned int seq) {
+    for (int layer = 0; layer < n_layers; ++layer) {
+        page_copy_impl<V>(dev_ptrs, host_base, host_page_stride, host_lc_stride, dev_idx, host_idx, n_pages,
+                          layer * kv_count, kv_count, piece_vecs, 0);
+        __threadfence();  // this thread's stores of the layer are visible device-wide ...
+        __syncthreads();  // ... before thread 0 counts the block done
+        if (threadIdx.x == 0) {
+            const unsigned int prev = atomicAdd(&counters[layer], 1u);
+            if (prev == gridDim.x - 1) {
+                counters[layer] = 0u;
+                __threadfence_system();
+                atomicExch(&flags[layer], seq);
+            }
+        }
+    }
+}
+
+#define DEFINE_PAGE_LOAD_LAYERS(NAME, V)                                                              \
+    extern "C" __global__ void NAME(const u64* __restrict__ dev_ptrs, u64 host_base,                 \
+                                    i64 host_page_stride, i64 host_lc_stride,                        \
+                                    const i64* __restrict__ dev_idx, const i64* __restrict__ host_idx, \
+                                    i64 n_pages, int n_layers, int kv_count, i64 piece_vecs,         \
+                                    unsigned int* counters, unsigned int* flags, unsigned int seq) {  \
+        page_load_layers_impl<V>(dev_ptrs, host_base, host_page_stride, host_lc_stride, dev_idx,     \
+                                 host_idx, n_pages, n_layers, kv_count, piece_vecs, counters, flags, seq); \
+    }
+
+DEFINE_PAGE_LOAD_LAYERS(page_load_layers_16, uint4)
+DEFINE_PAGE_LOAD_LAYERS(page_load_layers_8, uint2)
+DEFINE_PAGE_LOAD_LAYERS(page_load_layers_4, unsigned int)
+DEFINE_PAGE_LOAD_LAYERS(page_load_layers_2, unsigned short)
+DEFINE_PAGE_LOAD_LAYERS(page_load_layers_1, unsigned char)

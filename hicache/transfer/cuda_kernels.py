@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ SOURCE_NAME = "page_copy.cu"
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)
 DEFAULT_BLOCKS = 2
 DEFAULT_THREADS = 1024
-UNROLL = 4  # PAGE_COPY_UNROLL in the source: vectors each thread has in flight
+UNROLL = 8  # PAGE_COPY_UNROLL in the source: vectors each thread has in flight
 
 _modules: dict[int, Any] = {}
 _lock = threading.Lock()
@@ -46,8 +47,9 @@ def _module(device_index: int) -> Any:
             src = kernel_source_path().read_text()
             with cupy.cuda.Device(device_index):
                 mod = cupy.RawModule(code=src, options=("--std=c++17",))
-                for w in VECTOR_WIDTHS:
-                    mod.get_function(f"page_copy_{w}")  # compile and load now, not inside a timed region
+                for w in VECTOR_WIDTHS:  # compile and load now, not inside a timed region
+                    mod.get_function(f"page_copy_{w}")
+                    mod.get_function(f"page_load_layers_{w}")
             _modules[device_index] = mod
         return mod
 
@@ -105,6 +107,7 @@ class KernelCopier:
         self.piece_vecs = g.piece_bytes // self.width
         self._module = _module(device_index)
         self._kernel = self._module.get_function(f"page_copy_{self.width}")
+        self._layers_kernel = self._module.get_function(f"page_load_layers_{self.width}")
         self._cupy = cupy
         self._dev_ptrs = torch.tensor(np.array(g.dev_ptrs, dtype=np.uint64).view(np.int64),
                                       device=f"cuda:{device_index}")
@@ -113,7 +116,9 @@ class KernelCopier:
     def _ext_stream(self, handle: int) -> Any:
         s = self._streams.get(handle)
         if s is None:
-            s = self._cupy.cuda.ExternalStream(handle, self.device_index)
+            with warnings.catch_warnings():  # newer CuPy deprecates ExternalStream; it still works
+                warnings.simplefilter("ignore", DeprecationWarning)
+                s = self._cupy.cuda.ExternalStream(handle, self.device_index)
             self._streams[handle] = s
         return s
 
@@ -137,3 +142,24 @@ class KernelCopier:
         )
         with self._cupy.cuda.Device(self.device_index), self._ext_stream(stream_handle):
             self._kernel((grid,), (self.threads,), args)
+
+    def launch_load_layers(self, stream_handle: int, dev_idx_ptr: int, host_idx_ptr: int, n_pages: int,
+                           n_layers: int, kv_count: int, counters_ptr: int, flags_ptr: int, seq: int) -> None:
+        """Load every layer in one launch; ``flags[layer]`` becomes ``seq`` once that layer has landed.
+
+        ``counters`` (uint32 per layer) must be zero; the kernel leaves them zero.
+        """
+        if n_pages <= 0:
+            return
+        if n_layers * kv_count != self.geometry.num_lc:
+            raise ValueError(f"{n_layers} layers x {kv_count} != {self.geometry.num_lc} slots")
+        g = self.geometry
+        grid = self.grid_for(n_pages, kv_count)
+        args = (
+            np.uint64(self._dev_ptrs.data_ptr()), np.uint64(g.host_base), np.int64(g.host_page_stride),
+            np.int64(g.host_lc_stride), np.uint64(dev_idx_ptr), np.uint64(host_idx_ptr), np.int64(n_pages),
+            np.int32(n_layers), np.int32(kv_count), np.int64(self.piece_vecs), np.uint64(counters_ptr),
+            np.uint64(flags_ptr), np.uint32(seq),
+        )
+        with self._cupy.cuda.Device(self.device_index), self._ext_stream(stream_handle):
+            self._layers_kernel((grid,), (self.threads,), args)

@@ -168,13 +168,16 @@ def test_bad_input_copies_nothing() -> None:
 BIG = KVLayout(8, 8, 128, "bfloat16", 256)  # 512 KiB pieces: 64 pages = 64 MiB per layer, ~1.2 ms at 55 GB/s
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine"])
-def test_layer_visible_after_wait_layer(io_backend: str) -> None:
+@pytest.mark.parametrize(("io_backend", "layer_signal", "expect_signal"),
+                         [("kernel", "auto", "flags"), ("kernel", "events", "events"), ("copy_engine", "auto", None)])
+def test_layer_visible_after_wait_layer(io_backend: str, layer_signal: str, expect_signal: str | None) -> None:
     """Compute queued after wait_layer(i) sees layer i; the host never blocks; the handle polls."""
     n = 64
     dev, host = _pools(BIG, n, n, "page_first", seed=5)
-    eng = create_engine("cuda", dev, host, io_backend=io_backend)
+    eng = create_engine("cuda", dev, host, io_backend=io_backend, layer_signal=layer_signal)
     try:
+        if expect_signal is not None:
+            assert eng.layer_signal == expect_signal  # type: ignore[attr-defined]
         d, h = _indices(n, n, n, seed=6)
         for row in dev.kv:
             for t in row:
@@ -193,6 +196,56 @@ def test_layer_visible_after_wait_layer(io_backend: str) -> None:
         for layer in range(BIG.num_layers):
             for c in range(2):
                 assert torch.equal(snaps[layer][c].cpu(), expect[layer][c]), (layer, c)
+    finally:
+        eng.close()
+
+
+def test_flag_loads_in_sequence_and_from_another_thread() -> None:
+    """Back-to-back single-launch loads: each handle's layers (old ones too) gate compute correctly,
+    also when wait_layer is called from a thread that has not touched CUDA yet."""
+    import threading
+
+    layout = KVLayout(4, 8, 128, "bfloat16", 64)  # 128 KiB pieces
+    n = 32
+    dev, host = _pools(layout, 3 * n, 3 * n, "layer_first", seed=20)
+    eng = create_engine("cuda", dev, host, io_backend="kernel")
+    try:
+        assert eng.layer_signal == "flags"  # type: ignore[attr-defined]
+        rng = np.random.default_rng(21)
+        before = _snapshot(dev)
+        torch.cuda._sleep(SLEEP_CYCLES)  # loads start after this, so every wait below is a real stream wait
+        jobs = []
+        for j in range(3):
+            d = np.arange(j * n, (j + 1) * n, dtype=np.int64)
+            h = rng.permutation(3 * n)[:n].astype(np.int64)
+            jobs.append((d, h, eng.load(h, d)))
+        out: dict[int, list[torch.Tensor]] = {}
+
+        def consume(j: int) -> None:
+            d, _, handle = jobs[j]
+            handle.wait_layer(0)  # first CUDA call of the thread
+            dd = torch.from_numpy(d).cuda()
+            snaps = []
+            for layer in range(layout.num_layers):
+                handle.wait_layer(layer)
+                snaps.extend(t.index_select(0, dd).view(torch.uint8) for t in dev.kv[layer])
+            torch.cuda.current_stream().synchronize()
+            out[j] = [x.cpu() for x in snaps]
+
+        assert not jobs[0][2].done()
+        t = threading.Thread(target=consume, args=(0,))
+        t.start()
+        t.join()
+        consume(2)
+        consume(1)
+        every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
+        for j, (d, h, _) in enumerate(jobs):
+            expect = _expect_load(before, host, d, h, every)
+            i = 0
+            for layer in range(layout.num_layers):
+                for c in range(2):
+                    assert torch.equal(out[j][i], expect[layer][c][torch.from_numpy(d)]), (j, layer, c)
+                    i += 1
     finally:
         eng.close()
 
