@@ -6,19 +6,22 @@
   IPC on GPU) so KV pages are read and written in place; gRPC only carries token ids and page indices.
 """
 
-from hicache.client._common import RetryPolicy
-from hicache.client.aio import AsyncHiCacheClient
+from hicache.client._common import CallError, RetryPolicy
+from hicache.client.aio import AsyncHiCacheClient, AsyncMatchStream
 from hicache.client.attach import AttachedPool, attach_pool
-from hicache.client.sync import HiCacheClient
+from hicache.client.sync import HiCacheClient, MatchStream
 from hicache.client.types import CommitResult, Event, MatchResult, PageRun, PoolInfo, PrefetchProgress, Stats
 
 __all__ = [
     "AsyncHiCacheClient",
+    "AsyncMatchStream",
     "AttachedPool",
+    "CallError",
     "CommitResult",
     "Event",
     "HiCacheClient",
     "MatchResult",
+    "MatchStream",
     "PageRun",
     "PoolInfo",
     "PrefetchProgress",

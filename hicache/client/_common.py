@@ -93,5 +93,30 @@ def write_pages_messages(tokens: Tokens, data: bytes | memoryview, first_page: i
     return out
 
 
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class CallError(Exception):
+    """A request refused inside a stream (MatchStream): the status code and message the server gave."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def check_reply(m: pb.MatchResponse) -> pb.MatchResponse:
+    """Raise :class:`CallError` when a MatchStream reply carries an error."""
+    if m.HasField("error"):
+        raise CallError(_CODES.get(m.error.code, grpc.StatusCode.UNKNOWN), m.error.message)
+    return m
+
+
 def retryable(err: grpc.RpcError) -> bool:
     return isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.UNAVAILABLE

@@ -10,6 +10,7 @@ Match calls in flight from one event loop:
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import TracebackType
@@ -20,9 +21,11 @@ import numpy as np
 
 from hicache.client._common import (
     DEFAULT_TIMEOUT_S,
+    CallError,
     ChannelSettings,
     RetryPolicy,
     Tokens,
+    check_reply,
     commit_request,
     encode_tokens,
     match_request,
@@ -88,6 +91,11 @@ class AsyncHiCacheClient:
         req = match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
         return MatchResult.from_pb(await self._call(self.stub.Match, req, timeout_s))
 
+    def match_stream(self) -> AsyncMatchStream:
+        """A MatchStream session: ``await s.match(...)`` like :meth:`match` (errors raise
+        :class:`CallError`), several calls may be in flight at once; ``await s.close()`` ends it."""
+        return AsyncMatchStream(self)
+
     async def prefetch(self, request_id: str, *, stream_progress: bool = False, progress_interval_ms: int = 0,
                        timeout_s: float | None = None) -> AsyncIterator[PrefetchProgress]:
         req = pb.PrefetchRequest(request_id=request_id, stream_progress=stream_progress,
@@ -147,3 +155,51 @@ class AsyncHiCacheClient:
         r = await self.stub.WritePages(iter(msgs), timeout=self.timeout_s if timeout_s is None else timeout_s,
                                        metadata=self._md)
         return CommitResult.from_pb(r)
+
+
+class AsyncMatchStream:
+    """Matches pipelined over one MatchStream call; replies are matched to calls by order."""
+
+    def __init__(self, client: AsyncHiCacheClient) -> None:
+        self._call = client.stub.MatchStream(metadata=client._md)
+        self._pending: collections.deque[asyncio.Future[pb.MatchResponse]] = collections.deque()
+        self._write_lock = asyncio.Lock()
+        self._reader: asyncio.Task[None] | None = None
+
+    async def _read(self) -> None:
+        err: BaseException | None = None
+        try:
+            async for m in self._call:
+                self._pending.popleft().set_result(m)
+        except BaseException as e:  # the stream broke: every pending call fails with its error
+            err = e
+        while self._pending:
+            f = self._pending.popleft()
+            if not f.done():
+                f.set_exception(err or CallError(grpc.StatusCode.UNAVAILABLE, "match stream ended"))
+
+    async def match(self, tokens: Tokens, request_id: str = "", *, tenant: str = "", load: bool = False,
+                    skip_l3: bool = False, peek: bool = False, return_keys: bool = False) -> MatchResult:
+        req = match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
+        fut: asyncio.Future[pb.MatchResponse] = asyncio.get_running_loop().create_future()
+        async with self._write_lock:
+            self._pending.append(fut)
+            await self._call.write(req)
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read())
+        return MatchResult.from_pb(check_reply(await fut))
+
+    async def close(self) -> None:
+        await self._call.done_writing()
+        if self._reader is not None:
+            await self._reader
+
+    async def __aenter__(self) -> AsyncMatchStream:
+        return self
+
+    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if e is None:
+            await self.close()
+        else:
+            self._call.cancel()

@@ -14,6 +14,7 @@ server's status code and message.
 
 from __future__ import annotations
 
+import queue
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
@@ -27,6 +28,7 @@ from hicache.client._common import (
     ChannelSettings,
     RetryPolicy,
     Tokens,
+    check_reply,
     commit_request,
     encode_tokens,
     match_request,
@@ -95,6 +97,10 @@ class HiCacheClient:
         req = match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
         return MatchResult.from_pb(self._call(self.stub.Match, req, timeout_s))
 
+    def match_stream(self) -> MatchStream:
+        """A MatchStream session (one call in flight at a time from this blocking client)."""
+        return MatchStream(self)
+
     def prefetch(self, request_id: str, *, stream_progress: bool = False, progress_interval_ms: int = 0,
                  timeout_s: float | None = None) -> Iterator[PrefetchProgress]:
         """L3 -> L2 -> L1 for the request; yields progress (when asked) and a last ``done`` message."""
@@ -159,3 +165,32 @@ class HiCacheClient:
         r = self.stub.WritePages(iter(msgs), timeout=self.timeout_s if timeout_s is None else timeout_s,
                                  metadata=self._md)
         return CommitResult.from_pb(r)
+
+
+class MatchStream:
+    """Matches over one MatchStream call, one at a time; ``close()`` ends the stream."""
+
+    _END = object()
+
+    def __init__(self, client: HiCacheClient) -> None:
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._replies = client.stub.MatchStream(iter(self._q.get, self._END), metadata=client._md)
+
+    def match(self, tokens: Tokens, request_id: str = "", *, tenant: str = "", load: bool = False,
+              skip_l3: bool = False, peek: bool = False, return_keys: bool = False) -> MatchResult:
+        self._q.put(match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys))
+        return MatchResult.from_pb(check_reply(next(self._replies)))
+
+    def close(self) -> None:
+        self._q.put(self._END)
+        for _ in self._replies:
+            pass
+
+    def __enter__(self) -> MatchStream:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        if e is None:
+            self.close()
+        else:
+            self._replies.cancel()

@@ -200,6 +200,24 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     # ------------------------------------------------------------------ Match
     @unary
     async def Match(self, request: pb.MatchRequest, context: Ctx) -> pb.MatchResponse:
+        return await self._match(request)
+
+    @streaming
+    async def MatchStream(self, request_iterator: AsyncIterator[pb.MatchRequest],
+                          context: Ctx) -> AsyncIterator[pb.MatchResponse]:
+        hist = self._hist["Match"]
+        pc = time.perf_counter
+        async for request in request_iterator:
+            t0 = pc()
+            try:
+                resp = await self._match(request)
+            except (ServiceError, CacheFullError) as e:
+                code, msg = _status(e)
+                resp = pb.MatchResponse(error=pb.Error(code=code.value[0], message=msg))
+            hist.observe(pc() - t0)
+            yield resp
+
+    async def _match(self, request: pb.MatchRequest) -> pb.MatchResponse:
         tb = token_bytes(request.tokens, request.token_ids, self.max_tokens)
         ns = self._ns(request.namespace)
         l3 = not request.skip_l3 and self.cache.storage is not None

@@ -49,7 +49,7 @@ class MatchRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceRef, _Mapping]] = ..., tokens: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., skip_l3: _Optional[bool] = ..., load: _Optional[bool] = ..., peek: _Optional[bool] = ..., return_keys: _Optional[bool] = ...) -> None: ...
 
 class MatchResponse(_message.Message):
-    __slots__ = ("request_id", "l1_pages", "l2_pages", "l3_pages", "page_size", "num_pages", "device_indices", "page_keys")
+    __slots__ = ("request_id", "l1_pages", "l2_pages", "l3_pages", "page_size", "num_pages", "device_indices", "page_keys", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     L1_PAGES_FIELD_NUMBER: _ClassVar[int]
     L2_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class MatchResponse(_message.Message):
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDICES_FIELD_NUMBER: _ClassVar[int]
     PAGE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     l1_pages: int
     l2_pages: int
@@ -66,7 +67,16 @@ class MatchResponse(_message.Message):
     num_pages: int
     device_indices: _containers.RepeatedScalarFieldContainer[int]
     page_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., l1_pages: _Optional[int] = ..., l2_pages: _Optional[int] = ..., l3_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., device_indices: _Optional[_Iterable[int]] = ..., page_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    error: Error
+    def __init__(self, request_id: _Optional[str] = ..., l1_pages: _Optional[int] = ..., l2_pages: _Optional[int] = ..., l3_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., device_indices: _Optional[_Iterable[int]] = ..., page_keys: _Optional[_Iterable[bytes]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class Error(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("request_id", "stream_progress", "progress_interval_ms")

@@ -39,6 +39,11 @@ class HiCacheStub:
                 request_serializer=hicache_dot_v1_dot_hicache__pb2.MatchRequest.SerializeToString,
                 response_deserializer=hicache_dot_v1_dot_hicache__pb2.MatchResponse.FromString,
                 _registered_method=True)
+        self.MatchStream = channel.stream_stream(
+                '/hicache.v1.HiCache/MatchStream',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.MatchRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.MatchResponse.FromString,
+                _registered_method=True)
         self.Prefetch = channel.unary_stream(
                 '/hicache.v1.HiCache/Prefetch',
                 request_serializer=hicache_dot_v1_dot_hicache__pb2.PrefetchRequest.SerializeToString,
@@ -96,6 +101,15 @@ class HiCacheServicer:
 
     def Match(self, request, context):
         """Longest cached prefix of the tokens on L1, continued on L2 and L3. Opens a request (unless `peek`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MatchStream(self, request_iterator, context):
+        """Match over one long-lived stream: the same requests, answered in order, any number pipelined. The
+        fast path for schedulers issuing thousands of matches per second (no per-call setup cost). A request
+        that is refused gets a reply with `error` set (and nothing else); the stream goes on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -180,6 +194,11 @@ def add_HiCacheServicer_to_server(servicer, server):
                     request_deserializer=hicache_dot_v1_dot_hicache__pb2.MatchRequest.FromString,
                     response_serializer=hicache_dot_v1_dot_hicache__pb2.MatchResponse.SerializeToString,
             ),
+            'MatchStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.MatchStream,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.MatchRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.MatchResponse.SerializeToString,
+            ),
             'Prefetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefetch,
                     request_deserializer=hicache_dot_v1_dot_hicache__pb2.PrefetchRequest.FromString,
@@ -256,6 +275,33 @@ class HiCache:
             request,
             target,
             '/hicache.v1.HiCache/Match',
+            hicache_dot_v1_dot_hicache__pb2.MatchRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.MatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MatchStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hicache.v1.HiCache/MatchStream',
             hicache_dot_v1_dot_hicache__pb2.MatchRequest.SerializeToString,
             hicache_dot_v1_dot_hicache__pb2.MatchResponse.FromString,
             options,
