@@ -363,3 +363,53 @@ def test_large_pool_registered_in_place_and_released() -> None:
     rss = _rss_bytes()
     host.release()
     assert rss - _rss_bytes() > 5 * 2**30
+
+
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "auto"])
+def test_cache_round_trip_through_l2(io_backend: str) -> None:
+    """HiCache on the GPU: commit (write-through backup), evict L1, match from L2, load back layer by layer."""
+    from hicache.cache import HiCache
+    from hicache.config import CacheConfig, HiCacheConfig, LayoutConfig
+
+    cfg = HiCacheConfig(layout=LayoutConfig(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16),
+                        cache=CacheConfig(device="cuda", l1_tokens=16 * 64, l2_tokens=16 * 128,
+                                          write_policy="write_through", io_backend=io_backend))
+    cache = HiCache(cfg)
+    try:
+        assert cache.transfer.name == "cuda"
+        tokens = np.arange(16 * 10, dtype=np.int64) + 1000
+        req = cache.match(tokens)
+        pages = cache.alloc(req, 10)
+        gen = torch.Generator().manual_seed(0)
+        written = []
+        idx = torch.from_numpy(pages).cuda()
+        for layer in range(4):
+            row = []
+            for c in range(2):
+                x = torch.randn((10, 16, 2, 64), generator=gen).to(torch.bfloat16)
+                cache.device_pool.kv[layer][c][idx] = x.cuda()  # compute-stream writes, then backup
+                row.append(x)
+            written.append(row)
+        cache.commit(req, tokens, pages)
+        cache.release(req)
+        cache.flush()
+        assert cache.evict(l1_pages=10)[0] == 10
+        for layer in range(4):
+            for c in range(2):
+                cache.device_pool.kv[layer][c].fill_(7.0)
+        req = cache.match(tokens)
+        assert req.l2_pages == 10
+        load = cache.load_back(req)
+        assert load.l2_pages == 10
+        dev = torch.from_numpy(load.device_indices).cuda()
+        outs = []
+        for layer in range(4):
+            load.wait_layer(layer)
+            outs.append([cache.device_pool.kv[layer][c].index_select(0, dev) for c in range(2)])
+        for layer in range(4):
+            for c in range(2):
+                assert torch.equal(outs[layer][c].cpu(), written[layer][c]), (layer, c)
+        cache.release(req)
+        cache.check_integrity([])
+    finally:
+        cache.close()
