@@ -45,6 +45,7 @@ import pyarrow.fs as pafs
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
 from hicache.storage.frame import HEADER_BYTES, encode_header
+from hicache.storage.pageio import PageIO
 
 log = logging.getLogger(__name__)
 
@@ -240,11 +241,11 @@ class FileBackend(StorageBackend):
     def batch_set(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
         self._check_lengths(keys, host_indices)
         ns = self.ctx.namespace_digest
-        page_first = host_pool.host_layout == "page_first"
+        pio = PageIO(host_pool)
 
         def one(i: int) -> int:
             key, page = keys[i], int(host_indices[i])
-            payload = host_pool.page_view(page) if page_first else memoryview(host_pool.page_bytes(page))
+            payload = pio.source(page)
             header = encode_header(payload, ns, key)
             final = self.path(key)
             d = final.rsplit("/", 1)[0]
@@ -276,7 +277,7 @@ class FileBackend(StorageBackend):
     def batch_get(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
         self._check_lengths(keys, host_indices)
         ns = self.ctx.namespace_digest
-        page_first = host_pool.host_layout == "page_first"
+        pio = PageIO(host_pool)
 
         def one(i: int) -> int:
             key, page = keys[i], int(host_indices[i])
@@ -285,12 +286,11 @@ class FileBackend(StorageBackend):
                 if f.size() != self._frame_bytes:
                     return CORRUPT
                 header = f.read(HEADER_BYTES)
-                dst = host_pool.page_view(page) if page_first else memoryview(bytearray(self._page_bytes))
+                dst = pio.target(page)
                 got = f.readinto(dst)
             if got != self._page_bytes or encode_header(dst, ns, key) != header:
                 return CORRUPT
-            if not page_first:
-                host_pool.write_page_bytes(page, dst)
+            pio.commit(page, dst)
             self._touch(p)
             return OK
 

@@ -52,6 +52,7 @@ from redis.sentinel import Sentinel
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
 from hicache.storage.frame import HEADER_BYTES, FrameError, decode_frame, encode_header
+from hicache.storage.pageio import PageIO
 from hicache.storage.resp import ReplyError, RespReader, bulk_head, pack
 from hicache.storage.retry import CircuitBreaker, RetryPolicy, call_with_retry
 
@@ -400,11 +401,6 @@ class RedisBackend(StorageBackend):
         return 0 if res is None else sum(res)
 
     # ------------------------------------------------------------------ set
-    def _payload(self, host_pool: HostPool, page: int) -> memoryview:
-        if host_pool.host_layout == "page_first":
-            return host_pool.page_view(page)
-        return memoryview(host_pool.page_bytes(page))
-
     def _set_suffix(self) -> bytes:
         if self.opts.ttl_s > 0:
             ms = str(max(1, int(self.opts.ttl_s * 1000))).encode()
@@ -418,8 +414,10 @@ class RedisBackend(StorageBackend):
         suffix = self._set_suffix()
         nargs = b"*5\r\n" if self.opts.ttl_s > 0 else b"*3\r\n"
 
+        pio = PageIO(host_pool)
+
         def node(client: redis.Redis, its: list[_Item]) -> list[int]:
-            payloads = [self._payload(host_pool, it.page) for it in its]
+            payloads = [pio.source(it.page) for it in its]
             # Checksums on a helper thread, ahead of the socket (hashlib releases the GIL).
             heads: list[Future[bytes]] = [self._hasher.submit(encode_header, p, ns, it.key)
                                           for p, it in zip(payloads, its, strict=True)]
@@ -478,7 +476,7 @@ class RedisBackend(StorageBackend):
     def batch_get(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
         self._check_lengths(keys, host_indices)
         items = self._items(keys, host_indices)
-        zero_copy = host_pool.host_layout == "page_first"
+        pio = PageIO(host_pool)
         ttl_ms = str(max(1, int(self.opts.ttl_s * 1000))).encode() if self.opts.ttl_s > 0 else b""
         touch = bool(ttl_ms) and self.opts.touch_on_read
 
@@ -508,10 +506,9 @@ class RedisBackend(StorageBackend):
                         except FrameError:
                             out.append(CORRUPT)
                             continue
-                        if zero_copy:
-                            host_pool.page_view(it.page)[:] = pl
-                        else:
-                            host_pool.write_page_bytes(it.page, pl)
+                        dst = pio.target(it.page)
+                        dst[:] = pl
+                        pio.commit(it.page, dst)
                         out.append(OK)
                 return out
 
@@ -536,20 +533,16 @@ class RedisBackend(StorageBackend):
                         continue
                     header = bytearray(HEADER_BYTES)
                     rd.readinto(memoryview(header))
-                    if zero_copy:
-                        dst = host_pool.page_view(it.page)
-                        rd.readinto(dst)
-                        rd.expect_crlf()
+                    dst = pio.target(it.page)
+                    rd.readinto(dst)
+                    rd.expect_crlf()
+                    if pio.zero_copy:  # verify on a helper thread while the next page arrives
                         checks.append((j, self._hasher.submit(self._verify, bytes(header), dst, it.key)))
+                    elif self._verify(bytes(header), dst, it.key):
+                        pio.commit(it.page, dst)
+                        out[j] = OK
                     else:
-                        buf = bytearray(self._page_bytes)
-                        rd.readinto(memoryview(buf))
-                        rd.expect_crlf()
-                        if self._verify(bytes(header), memoryview(buf), it.key):
-                            host_pool.write_page_bytes(it.page, memoryview(buf))
-                            out[j] = OK
-                        else:
-                            out[j] = CORRUPT
+                        out[j] = CORRUPT
                 if rd.buffered:
                     raise ConnectionError("redis: unexpected extra reply bytes")
                 for j, f in checks:

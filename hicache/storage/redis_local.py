@@ -6,6 +6,8 @@ Used by the tests, the storage benchmark and anyone who wants a throw-away store
         ...
     with LocalRedisCluster(masters=3) as c: # c.url == "redis+cluster://127.0.0.1:<p1>,..."
         ...
+    with LocalRedis() as r, LocalSentinel(r) as s:  # s.url == "redis+sentinel://127.0.0.1:<p>/mymaster/0"
+        ...
 
 Servers run without persistence, in a temporary directory that is removed on :meth:`stop`. A single
 instance can be killed (``kill()``, SIGKILL: the store vanishes mid-run) and started again on the same
@@ -116,6 +118,59 @@ class LocalRedis:
 
     def __enter__(self) -> LocalRedis:
         return self.start() if self.proc is None else self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class LocalSentinel:
+    """One Sentinel watching ``master`` as ``service`` (quorum 1), for ``redis+sentinel://`` URLs."""
+
+    def __init__(self, master: LocalRedis, service: str = "mymaster") -> None:
+        self.master = master
+        self.service = service
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix=f"hicache-sentinel-{self.port}-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.port}/{self.service}/0"
+
+    def start(self, timeout_s: float = 10.0) -> LocalSentinel:
+        conf = self.dir / "sentinel.conf"
+        auth = f"sentinel auth-pass {self.service} {self.master.password}\n" if self.master.password else ""
+        conf.write_text(f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\nprotected-mode no\n"
+                        f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n{auth}")
+        binary = redis_server_binary()
+        assert binary is not None
+        self.proc = subprocess.Popen([binary, str(conf), "--sentinel", "--logfile", str(self.dir / "log")],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        c = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)
+        try:
+            while True:
+                try:
+                    if c.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service):
+                        return self
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis sentinel on port {self.port} did not start")
+                time.sleep(0.02)
+        finally:
+            c.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalSentinel:
+        return self.start()
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()

@@ -123,3 +123,18 @@ def test_unreachable_store_fails_fast_after_first_error(open_backend) -> None:
     assert time.perf_counter() - t0 < 1.0  # the breaker keeps requests off a dead store
     st = b.stats()
     assert st.errors == 50 and st.extra.get("breaker_skips", 0) == 49
+
+
+def test_sentinel_url_finds_the_master(open_backend, prefix) -> None:
+    from hicache.storage.redis_local import LocalSentinel
+    with LocalRedis(password="pw") as r, LocalSentinel(r, "kv") as s:
+        url = s.url.replace("redis+sentinel://", "redis+sentinel://:pw@")
+        b = open_backend(url, prefix=prefix)
+        keys = page_keys(8, "sentinel")
+        src, dst = make_pool(8, seed=13), make_pool(8, seed=None)
+        assert b.batch_set(keys, src, list(range(8))) == 8
+        assert b.batch_get(keys, dst, list(range(8))) == 8
+        assert pages_equal(src, dst, list(range(8)), list(range(8)))
+        c = r.client()
+        assert c.exists(b.redis_key(keys[0])) == 1  # it went to the master the sentinel named
+        c.close()
