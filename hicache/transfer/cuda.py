@@ -231,8 +231,8 @@ class CudaTransferEngine(TransferEngine):
 
     def _next_seq(self) -> int:
         self._seq += 1
-        if self._seq >= 1 << 31:  # wrap: start over from zeroed flags once the stream is idle
-            self.load_stream.synchronize()
+        if self._seq >= 1 << 31:  # wrap: start over from zeroed flags once every queued wait has passed
+            torch.cuda.synchronize(self.device)
             self._flags.zero_()
             torch.cuda.synchronize(self.device)
             self._seq = 1
