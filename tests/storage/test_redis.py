@@ -138,3 +138,42 @@ def test_sentinel_url_finds_the_master(open_backend, prefix) -> None:
         c = r.client()
         assert c.exists(b.redis_key(keys[0])) == 1  # it went to the master the sentinel named
         c.close()
+
+
+def _make_certs(d) -> tuple[str, str, str]:  # type: ignore[no-untyped-def]
+    import subprocess
+    ca_key, ca, key, csr, crt = (str(d / n) for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt"))
+    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True)  # noqa: E731
+    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", ca_key,
+        "-out", ca, "-days", "1", "-subj", "/CN=hicache-test-ca")
+    run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", key, "-out", csr,
+        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1")
+    ext = d / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", crt, "-days", "1",
+        "-extfile", str(ext))
+    return ca, crt, key
+
+
+@pytest.mark.skipif(__import__("shutil").which("openssl") is None, reason="openssl is not installed")
+def test_tls_url_round_trip(tmp_path, open_backend, prefix) -> None:
+    from hicache.storage.redis_local import free_port
+    ca, crt, key = _make_certs(tmp_path)
+    tls_port = free_port()
+    extra = ("--tls-port", str(tls_port), "--tls-cert-file", crt, "--tls-key-file", key, "--tls-ca-cert-file", ca,
+             "--tls-auth-clients", "no")
+    try:
+        r = LocalRedis(extra=extra).start()
+    except RuntimeError as e:  # a redis-server built without TLS
+        pytest.skip(f"redis-server without TLS support: {e}")
+    try:
+        b = open_backend(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={ca}", prefix=prefix)
+        keys = page_keys(16, "tls")
+        src, dst = make_pool(16, seed=14), make_pool(16, seed=None)
+        assert b.batch_set(keys, src, list(range(16))) == 16
+        assert b.batch_get(keys, dst, list(range(16))) == 16
+        assert pages_equal(src, dst, list(range(16)), list(range(16)))
+        untrusted = open_backend(f"rediss://127.0.0.1:{tls_port}/0", prefix=prefix, **FAST_FAIL)
+        assert untrusted.batch_exists(keys) == 0 and untrusted.stats().errors == 1  # unknown CA: refused
+    finally:
+        r.stop()
