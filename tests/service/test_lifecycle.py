@@ -1,0 +1,128 @@
+"""Shutdown flushes L3 writebacks; concurrency limit; /metrics; health and reflection; client retries."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from service_harness import ServerProc, free_port
+
+from hicache.client import HiCacheClient, RetryPolicy
+from hicache.config import config_from_dict
+from hicache.keys import page_keys
+from hicache.storage.base import StorageContext, create_backend
+
+PS = 16
+
+
+def commit(c: HiCacheClient, toks: np.ndarray, rid: str) -> int:
+    m = c.match(toks, rid)
+    new = c.allocate(rid, m.num_pages - m.l1_pages)
+    res = c.commit(rid, toks, np.concatenate([m.device_indices, new]))
+    c.release(rid)
+    return res.new_pages
+
+
+def test_sigterm_flushes_writebacks_to_the_file_store(server_factory: Callable[..., ServerProc],
+                                                      tmp_path: Path) -> None:
+    pytest.importorskip("hicache.storage.file_backend")
+    url = f"file://{tmp_path / 'l3'}"
+    srv = server_factory(cache={"write_policy": "write_through"}, storage={"url": url})
+    prompts = [np.random.default_rng(i).integers(0, 30_000, 24 * PS).astype(np.uint32) for i in range(6)]
+    with HiCacheClient(srv.target) as c:
+        total = sum(commit(c, t, f"r{i}") for i, t in enumerate(prompts))
+        c.match(prompts[0], "left-open")  # an open request at shutdown is released, not leaked
+    assert total == 6 * 24
+    assert srv.terminate(30) == 0
+    log = srv.log()
+    assert f"L3 flush: {total} pages written" in log, log
+    assert "NOT written" not in log
+    cfg = config_from_dict(srv.config)
+    ns = cfg.namespace()
+    store = create_backend(url, StorageContext(ns.digest, cfg.layout.to_layout(), ns.model))
+    try:
+        for t in prompts:
+            keys = page_keys(ns, t)
+            assert store.batch_exists(keys) == len(keys)
+    finally:
+        store.close()
+
+
+def test_concurrency_limit_metrics_health_reflection(server_factory: Callable[..., ServerProc]) -> None:
+    srv = server_factory(serve={"max_concurrency": 1})
+    toks = np.arange(4 * PS, dtype=np.uint32)
+    with HiCacheClient(srv.target) as c:
+        assert c.match(toks, peek=True).num_pages == 4
+        events = c.watch_events()
+        next(iter(events))  # one RPC in flight now: the event stream
+        with pytest.raises(grpc.RpcError) as ei:
+            c.match(toks, peek=True)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_concurrency" in ei.value.details()
+        events.close()  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 5
+        while True:  # the server notices the cancelled stream shortly after
+            try:
+                c.stats()
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                time.sleep(0.05)
+        health = health_pb2_grpc.HealthStub(c.channel)
+        for service in ("", "hicache.v1.HiCache"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        db = ProtoReflectionDescriptorDatabase(c.channel)
+        services = set(db.get_services())
+        assert {"hicache.v1.HiCache", "grpc.health.v1.Health"} <= services
+        methods = {m.name for m in db.FindFileContainingSymbol("hicache.v1.HiCache").service[0].method}
+        assert {"Match", "MatchStream", "Prefetch", "Allocate", "Commit", "Release", "Stats", "WatchEvents",
+                "GetPoolInfo", "Attach", "ReadPages", "WritePages"} <= methods
+    text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'hicache_rpc_seconds_bucket{le="0.001",method="Match"}' in text
+    assert 'hicache_rpcs_total{code="RESOURCE_EXHAUSTED",method="Match"}' not in text  # refused before a handler
+    rejected = [float(line.split()[1]) for line in text.splitlines() if line.startswith("hicache_rpc_rejected_total")]
+    assert rejected and rejected[0] >= 1
+    assert 'hicache_hit_tokens_total{tier="l1"}' in text and "hicache_lookup_tokens_total" in text
+    assert "hicache_rpc_inflight" in text and "hicache_event_queue_depth" in text
+
+
+def test_client_retries_unavailable_with_backoff() -> None:
+    target = f"127.0.0.1:{free_port()}"  # nothing listens there
+    for attempts, floor in ((1, 0.0), (3, 0.05 * 0.5 + 0.1 * 0.5)):
+        with HiCacheClient(target, retry=RetryPolicy(attempts=attempts, base_s=0.05), timeout_s=5) as c:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as ei:
+                c.stats()
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - t0 >= floor
+
+
+def test_client_retry_reaches_a_server_that_comes_up(tmp_path: Path) -> None:
+    from service_harness import start_server
+
+    port = free_port()
+    result: list[object] = []
+
+    def call() -> None:
+        with HiCacheClient(f"127.0.0.1:{port}", retry=RetryPolicy(attempts=60, base_s=0.2, max_s=0.5),
+                           timeout_s=60) as c:
+            result.append(c.pool_info().num_pages)
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.5)
+    srv = start_server(tmp_path, serve={"port": port})
+    try:
+        t.join(60)
+        assert result and int(result[0]) > 0  # type: ignore[call-overload]
+    finally:
+        srv.terminate()
