@@ -16,7 +16,8 @@ Options (URL query or keyword arguments, keywords win): ``prefix`` (key prefix, 
 ``breaker_max_s`` (how long a store that failed is left alone before a probe), ``delete_corrupt``
 (drop a page that failed verification, default true), ``wire`` (``raw``: the zero-copy path of
 :mod:`hicache.storage.resp`, the default; ``pipeline``: plain redis-py pipelines), ``sentinel_password``,
-``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``.
+``hash_threads`` (frame checksums run there, overlapped with the socket), ``ssl_ca_certs``,
+``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``.
 
 Storage layout: one string value per page, ``<prefix>{<page key hex>}`` -> frame (see
 :mod:`hicache.storage.frame`). The braces are a Cluster hash tag over the page key alone, so the pages of
@@ -36,6 +37,7 @@ refreshed after redirects and errors.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -78,6 +80,7 @@ class RedisOptions:
     breaker_max_s: float = 5.0
     delete_corrupt: bool = True
     wire: str = "raw"
+    hash_threads: int = 0  # 0: min(8, max(2, cpus))
     sentinel_password: str = ""
     ssl_ca_certs: str = ""
     ssl_certfile: str = ""
@@ -172,6 +175,10 @@ def is_transient(e: BaseException) -> bool:
                           redis.exceptions.RedisClusterException, ConnectionError, TimeoutError, OSError))
 
 
+def _headers(payloads: list[memoryview], ns: bytes, keys: list[bytes]) -> list[bytes]:
+    return [encode_header(p, ns, k) for p, k in zip(payloads, keys, strict=True)]
+
+
 @dataclass
 class _Item:
     """One page of a batch, routed to a node."""
@@ -204,7 +211,9 @@ class RedisBackend(StorageBackend):
         self._cluster: RedisCluster | None = None
         self._cluster_lock = threading.Lock()
         self._nodes_pool: ThreadPoolExecutor | None = None
-        self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-redis-hash")
+        self._hasher = ThreadPoolExecutor(max_workers=o.hash_threads or min(8, max(2, os.cpu_count() or 2)),
+                                          thread_name_prefix="hicache-redis-hash")
+        self._group = max(1, (1 << 20) // self._page_bytes)  # pages per hashing task
         conn_kw: dict[str, Any] = dict(
             socket_timeout=o.timeout_s, socket_connect_timeout=o.connect_timeout_s,
             retry=Retry(NoBackoff(), 0), health_check_interval=0)
@@ -407,10 +416,23 @@ class RedisBackend(StorageBackend):
             return b"\r\n" + pack(b"PX", ms)[4:]  # "$2\r\nPX\r\n$n\r\nms\r\n" (drop the "*2\r\n")
         return b"\r\n"
 
+    def _hash_ahead(self, payloads: list[memoryview], keys: list[bytes]) -> list[tuple[Future[list[bytes]], int]]:
+        """Frame headers computed on the hash threads, ahead of the socket (hashlib releases the GIL), in
+        groups of about 1 MiB; returns (future, index in its group) per page."""
+        ns = self.ctx.namespace_digest
+        out: list[tuple[Future[list[bytes]], int]] = []
+        for lo in range(0, len(payloads), self._group):
+            hi = min(lo + self._group, len(payloads))
+            f = self._hasher.submit(_headers, payloads[lo:hi], ns, keys[lo:hi])
+            out.extend((f, i - lo) for i in range(lo, hi))
+        return out
+
+    def _verify_group(self, group: list[tuple[int, bytes, memoryview, bytes]]) -> list[tuple[int, bool]]:
+        return [(j, self._verify(h, dst, key)) for j, h, dst, key in group]
+
     def batch_set(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
         self._check_lengths(keys, host_indices)
         items = self._items(keys, host_indices)
-        ns = self.ctx.namespace_digest
         suffix = self._set_suffix()
         nargs = b"*5\r\n" if self.opts.ttl_s > 0 else b"*3\r\n"
 
@@ -418,13 +440,11 @@ class RedisBackend(StorageBackend):
 
         def node(client: redis.Redis, its: list[_Item]) -> list[int]:
             payloads = [pio.source(it.page) for it in its]
-            # Checksums on a helper thread, ahead of the socket (hashlib releases the GIL).
-            heads: list[Future[bytes]] = [self._hasher.submit(encode_header, p, ns, it.key)
-                                          for p, it in zip(payloads, its, strict=True)]
+            heads = self._hash_ahead(payloads, [it.key for it in its])
             if self.opts.wire == "pipeline":
                 p = client.pipeline(transaction=False)
                 for it, pl, h in zip(its, payloads, heads, strict=True):
-                    val = h.result() + bytes(pl)
+                    val = h[0].result()[h[1]] + bytes(pl)
                     if self.opts.ttl_s > 0:
                         p.set(it.rkey, val, px=max(1, int(self.opts.ttl_s * 1000)))
                     else:
@@ -440,7 +460,7 @@ class RedisBackend(StorageBackend):
                 lead = b""
                 for it, pl, h in zip(its, payloads, heads, strict=True):
                     head = b"".join((lead, nargs, b"$3\r\nSET\r\n", bulk_head(len(it.rkey)), it.rkey, b"\r\n",
-                                     bulk_head(len(pl) + HEADER_BYTES), h.result()))
+                                     bulk_head(len(pl) + HEADER_BYTES), h[0].result()[h[1]]))
                     conn.send_packed_command([head, pl], check_health=False)
                     lead = suffix
                 conn.send_packed_command([suffix], check_health=False)
@@ -516,7 +536,8 @@ class RedisBackend(StorageBackend):
                 conn.send_packed_command([b"".join(cmd(it) for it in its)], check_health=False)
                 rd = RespReader(sock)
                 out = [MISS] * len(its)
-                checks: list[tuple[int, Future[bool]]] = []
+                checks: list[Future[list[tuple[int, bool]]]] = []
+                group: list[tuple[int, bytes, memoryview, bytes]] = []
                 errs: list[ReplyError] = []
                 for j, it in enumerate(its):
                     try:
@@ -536,8 +557,11 @@ class RedisBackend(StorageBackend):
                     dst = pio.target(it.page)
                     rd.readinto(dst)
                     rd.expect_crlf()
-                    if pio.zero_copy:  # verify on a helper thread while the next page arrives
-                        checks.append((j, self._hasher.submit(self._verify, bytes(header), dst, it.key)))
+                    if pio.zero_copy:  # verify on the hash threads while the next pages arrive
+                        group.append((j, bytes(header), dst, it.key))
+                        if len(group) >= self._group:
+                            checks.append(self._hasher.submit(self._verify_group, group))
+                            group = []
                     elif self._verify(bytes(header), dst, it.key):
                         pio.commit(it.page, dst)
                         out[j] = OK
@@ -545,8 +569,11 @@ class RedisBackend(StorageBackend):
                         out[j] = CORRUPT
                 if rd.buffered:
                     raise ConnectionError("redis: unexpected extra reply bytes")
-                for j, f in checks:
-                    out[j] = OK if f.result() else CORRUPT
+                if group:
+                    checks.append(self._hasher.submit(self._verify_group, group))
+                for f in checks:
+                    for j, good in f.result():
+                        out[j] = OK if good else CORRUPT
                 self._raise_transient(errs)
                 return out
 
