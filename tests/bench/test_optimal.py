@@ -45,3 +45,37 @@ def test_optimum_beats_lru_on_a_scan() -> None:
     assert policy_hit_rate(reqs, 2, 2 * 4, "lru") == 0.0
     assert belady(pt, 4).hit_rate >= 0.3
     assert infinite(pt).hit_rate == 0.75
+
+
+def brute_force_hit_pages(reqs: list[TraceRequest], page: int, cap: int) -> int:
+    """Best total prompt-page hits over *every* choice of what to keep after each request (any subset of
+    what was cached plus the request's own pages, at most ``cap``) -- exhaustive, for tiny traces."""
+    from itertools import combinations
+
+    pt = page_trace(reqs, page)
+    states: dict[frozenset[int], int] = {frozenset(): 0}
+    for pp, xx in zip(pt.prompt, pt.extra, strict=True):
+        nxt: dict[frozenset[int], int] = {}
+        for s, val in states.items():
+            k = 0
+            while k < len(pp) and pp[k] in s:
+                k += 1
+            avail = sorted(s | set(pp) | set(xx))
+            for n in range(min(cap, len(avail)) + 1):
+                for keep in combinations(avail, n):
+                    f = frozenset(keep)
+                    if nxt.get(f, -1) < val + k:
+                        nxt[f] = val + k
+        states = nxt
+    return max(states.values())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=traces(), cap=st.integers(1, 4))
+def test_belady_equals_exhaustive_optimum(reqs: list[TraceRequest], cap: int) -> None:
+    reqs = reqs[:6]
+    pt = page_trace(reqs, PAGE)
+    if pt.num_pages > 9:
+        reqs = reqs[:3]
+        pt = page_trace(reqs, PAGE)
+    assert int(belady(pt, cap).hit_pages.sum()) == brute_force_hit_pages(reqs, PAGE, cap)
