@@ -22,7 +22,8 @@ every ``rescan_s`` seconds, plus its own writes; reads refresh a page) and, when
 cap, deletes the oldest pages until it is below ``sweep_to`` of the cap.
 
 Options: ``max_bytes``, ``sweep_to`` (0.9), ``shard_levels`` (2), ``tmp_max_age_s`` (600),
-``rescan_s`` (60), ``io_threads`` (4: pages of a batch are read/written in parallel), ``delete_corrupt``
+``rescan_s`` (60), ``io_threads`` (0 = min(16, max(4, cpus)): pages of a batch are read, written and
+verified in parallel), ``delete_corrupt``
 (true). A store error (disk full, permission, network) is counted and reported as a miss / nothing
 written; it never raises into the caller.
 """
@@ -63,7 +64,7 @@ class FileBackend(StorageBackend):
 
     def __init__(self, url: str, ctx: StorageContext, max_bytes: int = 0, sweep_to: float = 0.9,
                  shard_levels: int = 2, tmp_max_age_s: float = 600.0, rescan_s: float = 60.0,
-                 io_threads: int = 4, delete_corrupt: bool = True, **options: Any) -> None:
+                 io_threads: int = 0, delete_corrupt: bool = True, **options: Any) -> None:
         super().__init__(url, ctx, **options)
         if options:
             raise ValueError(f"file store: unknown option(s) {sorted(options)}")
@@ -73,8 +74,9 @@ class FileBackend(StorageBackend):
             raise ValueError(f"file store sweep_to: must be in (0, 1], got {sweep_to}")
         if not 0 <= shard_levels <= 4:
             raise ValueError(f"file store shard_levels: must be in [0, 4], got {shard_levels}")
-        if io_threads < 1:
-            raise ValueError(f"file store io_threads: must be >= 1, got {io_threads}")
+        if io_threads < 0:
+            raise ValueError(f"file store io_threads: must be >= 0 (0: scale with the cpus), got {io_threads}")
+        io_threads = io_threads or min(16, max(4, os.cpu_count() or 4))
         scheme = urlparse(url).scheme
         if scheme in ("", "file"):
             path = urlparse(url).path if scheme == "file" else url
