@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import read_kv, serve, small_config, write_kv
 from hicache.cache import HiCache
 from hicache.storage.redis_backend import RedisBackend
 from hicache.storage.redis_local import LocalRedis
-from storage.conftest import BACKENDS, needs_redis
+from storage.conftest import BACKENDS, needs_redis, read_kv, serve, small_config, write_kv
 
 FAST_FAIL = {"timeout_s": 0.5, "connect_timeout_s": 0.2, "retry_attempts": 2, "retry_base_s": 0.005,
              "breaker_base_s": 0.05, "breaker_max_s": 0.2}
