@@ -185,3 +185,40 @@ def test_prefetch_bytes_in_flight_are_bounded_and_release_cancels(tmp_path) -> N
         assert np.all(cache.host_pool.allocator.allocated() >= 0)
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_prefetch_policies_bound_the_wait_and_keep_pools_whole(policy) -> None:
+    from storage.test_prefetch_writeback import SlowStore
+
+    cfg = small_config(cache={"write_policy": "write_through"},
+                       storage={"prefetch_policy": policy, "io_batch_pages": 2, "prefetch_timeout_base_s": 0.1,
+                                "prefetch_timeout_per_1k_tokens_s": 0.0, "prefetch_timeout_max_s": 0.1})
+    from hicache.storage import StorageContext
+    store = SlowStore(ctx=StorageContext(cfg.namespace().digest, cfg.layout.to_layout()))
+    cache = HiCache(cfg, storage=store)
+    try:
+        tokens = list(range(1, 33))
+        kv = commit_fresh(cache, tokens, seed=70)
+        cache.flush(5)
+        cache.evict(l1_pages=8, l2_pages=8)
+        store.delay_s = 0.25  # 4 batches of 2 pages: 1 s for the whole run
+        req = cache.match(tokens)
+        assert cache.prefetch(req) == 8
+        t0 = time.perf_counter()
+        load = cache.load_back(req)
+        waited = time.perf_counter() - t0
+        load.wait()
+        n = load.l3_pages
+        if policy == "wait_complete":
+            assert n == 8
+        elif policy == "timeout":
+            assert n < 8 and waited < 0.1 + 0.25 + 0.3  # the bound plus at most the batch in flight (+ slack)
+        else:
+            assert n <= 2 and waited < 0.25 + 0.3  # takes what landed, waits only for the batch in flight
+        assert kv_equal(read_kv(cache, load.device_indices), [[t[:n] for t in layer] for layer in kv])
+        cache.check_integrity([req])
+        cache.release(req)
+        cache.check_integrity()
+    finally:
+        cache.close()

@@ -21,8 +21,8 @@ class SlowStore(MemoryBackend):
     """An in-process store whose reads/writes take ``delay_s`` each, can be held shut by ``gate``, and can
     be told to refuse (``refuse``) or to break its contract by raising (``explode``)."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
-        super().__init__("memory://", StorageContext(NS, LAYOUT))
+    def __init__(self, delay_s: float = 0.0, ctx: StorageContext | None = None) -> None:
+        super().__init__("memory://", ctx or StorageContext(NS, LAYOUT))
         self.delay_s = delay_s
         self.gate = threading.Event()
         self.gate.set()
