@@ -25,7 +25,7 @@ import numpy as np
 from hicache.bench.errors import BenchInputError
 from hicache.bench.optimal import PagedTrace, belady, infinite, page_trace
 from hicache.bench.replay import ReplayResult, replay
-from hicache.bench.targets import InProcessTarget, open_target
+from hicache.bench.targets import GrpcTarget, InProcessTarget, Target, open_target
 from hicache.bench.tokenizer import WordTokenizer, load_tokenizer
 from hicache.bench.traces import MOONCAKE_BLOCK, is_mooncake, load_trace
 from hicache.bench.units import Size, parse_size
@@ -243,24 +243,36 @@ def run_bench(opts: BenchOptions, wl: Workload | None = None,
     opts.check()
     wl = wl or load_requests(opts)
     reqs, ps = wl.requests, wl.page_size
+    remote: GrpcTarget | None = None
+    if opts.target.startswith("grpc://"):  # the node decides page size and capacities
+        remote = GrpcTarget(opts.target)
+        if opts.page_size is not None and opts.page_size != remote.page_size:
+            remote.close()
+            raise BenchInputError(f"--page-size {opts.page_size}: the node at {opts.target} uses pages of "
+                                  f"{remote.page_size} tokens")
+        ps = remote.page_size
     layout = MODEL_LAYOUTS[opts.model_layout]
     bpt = layout.bytes_per_token
     pt = page_trace(reqs, ps)
     ws = pt.working_set_tokens
-    l1 = opts.l1.to_tokens(bpt, ws) // ps * ps
-    l2 = opts.l2.to_tokens(bpt, ws) // ps * ps
+    l1 = remote.l1_tokens if remote else opts.l1.to_tokens(bpt, ws) // ps * ps
+    l2 = remote.l2_tokens if remote else opts.l2.to_tokens(bpt, ws) // ps * ps
     if l1 < ps:
         raise BenchInputError(f"--l1: {opts.l1.describe()} is less than one page of {ps} tokens")
-    with storage_url(opts.l3) as (url, l3_desc):
-        cfg = replay_config(ps, l1, l2, url, opts.write_policy, opts.eviction_policy, opts.prefetch_policy)
-        target = open_target(opts.target, cfg)
+    with storage_url("none" if remote else opts.l3) as (url, l3_desc):
+        if remote:
+            target: Target = remote
+            l3_desc = "the node's"
+        else:
+            cfg = replay_config(ps, l1, l2, url, opts.write_policy, opts.eviction_policy, opts.prefetch_policy)
+            target = open_target(opts.target, cfg)
         try:
             cb = (lambda i: progress("replay", i, len(reqs))) if progress else None
             r = replay(reqs, target, cb, opts.follow_timestamps, opts.speed)
         finally:
             target.close()
     inf = infinite(pt).hit_rate
-    l3_unbounded = bool(url) and l2 > 0
+    l3_unbounded = bool(url) and l2 > 0  # a remote node's L3 is not known: its optimum covers L1 + L2
     opt_same = inf if l3_unbounded else belady(pt, (l1 + l2) // ps).hit_rate
     opt_l1 = belady(pt, l1 // ps).hit_rate
     done = [0]
@@ -277,7 +289,8 @@ def run_bench(opts: BenchOptions, wl: Workload | None = None,
         model_layout=f"{opts.model_layout}: {layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
         f"{layout.head_dim} {layout.dtype} {layout.attention}",
         l1_tokens=l1, l2_tokens=l2, l3=l3_desc, target=opts.target,
-        policies={"write": opts.write_policy, "eviction": opts.eviction_policy, "prefetch": opts.prefetch_policy},
+        policies=({"write": "node's", "eviction": "node's", "prefetch": "node's"} if remote else
+                  {"write": opts.write_policy, "eviction": opts.eviction_policy, "prefetch": opts.prefetch_policy}),
         tiers=_tiers(r), reused_tokens=int(r.reused.sum()),
         prefill_seconds_saved=_saved_seconds(r, bpt, opts),
         prefill_seconds_total=pt.total_prompt_tokens / opts.prefill_rate,

@@ -136,13 +136,18 @@ class GrpcTarget(Target):
         except Exception:
             self.client.close()
             raise BenchInputError(f"--target {url}: no node answering there") from None
+        info = self.client.pool_info()
+        st = self.client.stats()
+        self.page_size = info.layout.page_size
+        self.l1_tokens = st.l1_pages_total * self.page_size
+        self.l2_tokens = st.l2_pages_total * self.page_size
         self.commit_skipped = 0
 
     def serve(self, req: TraceRequest) -> Outcome:
         c = self.client
         t0 = time.perf_counter()
         m = c.match(req.tokens)
-        ps = self.page_size = m.page_size
+        ps = m.page_size
         dev = m.device_indices
         committed = 0
         try:
