@@ -63,11 +63,16 @@ def _client_proc(target: str, tokens: bytes, mode: str, clients: int, rate: floa
     """``clients`` asyncio clients on one channel. ``rate`` 0: closed loop (each sends its next Match when
     the last returns); else open loop, each client paced at rate/clients per second, latency counted
     from the scheduled send time (a late reply delays nothing but shows in the figures)."""
+    import gc
+
     import uvloop
 
     from hicache.client import AsyncHiCacheClient
 
-    async def main() -> tuple[list[float], int, float]:
+    gc.collect()
+    gc.freeze()  # keep full collections short: they show up as tail latency
+
+    async def main() -> tuple[list[float], int, float, float]:
         lat: list[float] = []
         errors = 0
         last_done = 0.0
@@ -76,13 +81,16 @@ def _client_proc(target: str, tokens: bytes, mode: str, clients: int, rate: floa
             await c.match(tokens, peek=True)  # connect + warm
             await asyncio.sleep(max(0.0, start_at - time.time()))
             pc = time.perf_counter
+            cpu0 = time.process_time()
             t_start = pc()
             end = t_start + seconds
+
+            shared = c.match_stream() if mode == "pipelined" else None
 
             async def worker(i: int) -> None:
                 nonlocal errors, last_done
                 stream = c.match_stream() if mode == "stream" else None
-                call = stream.match if stream is not None else c.match
+                call = stream.match if stream is not None else shared.match if shared is not None else c.match
                 await call(tokens, peek=True)
                 period = clients / rate if rate else 0.0
                 due = t_start + period * i / clients
@@ -107,13 +115,22 @@ def _client_proc(target: str, tokens: bytes, mode: str, clients: int, rate: floa
                     await stream.close()
 
             await asyncio.gather(*(worker(i) for i in range(clients)))
-        return lat, errors, last_done
+            if shared is not None:
+                await shared.close()
+            cpu = time.process_time() - cpu0
+        return lat, errors, last_done, cpu
 
     out.put(uvloop.run(main()))
 
 
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_level(target: str, tokens: bytes, mode: str, clients: int, procs: int, seconds: float,
-              rate: float = 0.0) -> dict[str, Any]:
+              rate: float = 0.0, server_pid: int = 0) -> dict[str, Any]:
     procs = max(1, min(procs, clients))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -126,16 +143,22 @@ def run_level(target: str, tokens: bytes, mode: str, clients: int, procs: int, s
     lat: list[float] = []
     errors = 0
     elapsed = seconds
+    client_cpu = 0.0
+    time.sleep(max(0.0, start_at - time.time()))
+    srv0 = proc_cpu_s(server_pid) if server_pid else 0.0
     for _ in ps:
-        part, err, last = q.get(timeout=seconds + 120)
+        part, err, last, cpu = q.get(timeout=seconds + 120)
         lat.extend(part)
         errors += err
         elapsed = max(elapsed, last)
+        client_cpu += cpu
+    srv_cpu = proc_cpu_s(server_pid) - srv0 if server_pid else float("nan")
     for p in ps:
         p.join()
     return {"mode": mode, "clients": clients, "client_procs": procs, "offered_per_s": rate or None,
             "requests": len(lat), "errors": errors, "req_per_s": len(lat) / elapsed, "p50_ms": pct(lat, 50),
-            "p99_ms": pct(lat, 99)}
+            "p99_ms": pct(lat, 99), "server_cpu_us_per_req": srv_cpu / max(len(lat), 1) * 1e6,
+            "client_cpu_us_per_req": client_cpu / max(len(lat), 1) * 1e6}
 
 
 # ---------------------------------------------------------------------- in-process baseline
@@ -152,14 +175,17 @@ def in_process(tokens: np.ndarray, seconds: float) -> dict[str, float]:
     lat: list[float] = []
     pc = time.perf_counter
     end = pc() + seconds
+    cpu0 = time.process_time()
     while pc() < end:
         t0 = pc()
         r = cache.match(np.frombuffer(tb, dtype="<u4"))
         cache.release(r)
         lat.append(pc() - t0)
     assert r.l1_pages == len(tokens) // LAYOUT["page_size"]
+    cpu = time.process_time() - cpu0
     cache.close()
-    return {"clients": 1, "requests": len(lat), "req_per_s": len(lat) / seconds, "p50_ms": pct(lat, 50),
+    return {"clients": 1, "cpu_us_per_req": cpu / len(lat) * 1e6,
+            "requests": len(lat), "req_per_s": len(lat) / seconds, "p50_ms": pct(lat, 50),
             "p99_ms": pct(lat, 99)}
 
 
@@ -199,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--client-procs", type=int, default=1, help="client processes sharing the clients")
     ap.add_argument("--seconds", type=float, default=4.0)
-    ap.add_argument("--modes", nargs="+", default=["unary", "stream"], choices=["unary", "stream"],
-                    help="unary: one Match RPC per call; stream: Match messages over one MatchStream per client")
+    ap.add_argument("--modes", nargs="+", default=["unary", "stream"], choices=["unary", "stream", "pipelined"],
+                    help="unary: one Match RPC per call; stream: Match messages over one MatchStream per client; "
+                    "pipelined: the clients of a process share one MatchStream")
     ap.add_argument("--rate", type=float, default=3000.0,
                     help="also run open loop at this offered rate with the largest client count (0: skip)")
     ap.add_argument("--json", default="out/grpc_latency.json")
@@ -209,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = prompt(args.tokens)
     base = in_process(tokens, args.seconds)
     print(f"in-process  match+release  {args.tokens} tokens: {base['req_per_s']:8.0f} req/s  "
-          f"p50 {base['p50_ms']:.3f} ms  p99 {base['p99_ms']:.3f} ms")
+          f"p50 {base['p50_ms']:.3f} ms  p99 {base['p99_ms']:.3f} ms  CPU/req {base['cpu_us_per_req']:.0f} us")
     levels = []
     with tempfile.TemporaryDirectory() as tmp:
         proc, target = start_server(args.tokens, Path(tmp))
@@ -220,13 +247,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.rate:
                 runs += [(m, max(args.clients), args.rate) for m in args.modes]
             for mode, c, rate in runs:
-                r = run_level(target, tokens.tobytes(), mode, c, args.client_procs, args.seconds, rate)
+                r = run_level(target, tokens.tobytes(), mode, c, args.client_procs, args.seconds, rate, proc.pid)
                 r["vs_in_process"] = r["req_per_s"] / base["req_per_s"]
                 levels.append(r)
                 loop = f"open loop {rate:.0f}/s" if rate else "closed loop"
                 print(f"gRPC {mode:6s} {c:3d} clients, {loop:19s}: {r['req_per_s']:8.0f} req/s  "
                       f"p50 {r['p50_ms']:7.3f} ms  p99 {r['p99_ms']:7.3f} ms  "
-                      f"({r['vs_in_process']:.2f}x in-process req/s, {r['errors']} errors)")
+                      f"({r['vs_in_process']:.2f}x in-process; CPU/req server {r['server_cpu_us_per_req']:.0f} us "
+                      f"client {r['client_cpu_us_per_req']:.0f} us; {r['errors']} errors)")
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
