@@ -121,7 +121,7 @@ class GrpcTarget(Target):
 
     name = "grpc"
 
-    def __init__(self, url: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 30.0, connect_timeout_s: float = 5.0) -> None:
         try:
             import grpc
 
@@ -132,7 +132,7 @@ class GrpcTarget(Target):
         self.url = url
         self.client = HiCacheClient(url.removeprefix("grpc://"), timeout_s=timeout_s)
         try:
-            self.client.wait_ready(timeout_s=min(timeout_s, 10.0))
+            self.client.wait_ready(timeout_s=connect_timeout_s)
         except Exception:
             self.client.close()
             raise BenchInputError(f"--target {url}: no node answering there") from None

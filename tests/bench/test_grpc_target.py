@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hicache.bench.errors import BenchInputError
 from hicache.bench.replay import replay
 from hicache.bench.run import replay_config
 from hicache.bench.targets import GrpcTarget, InProcessTarget
@@ -72,6 +73,6 @@ def test_bench_cli_on_a_node(node: str, tmp_path: Path, capsys: pytest.CaptureFi
     assert "uses pages of 16 tokens" in capsys.readouterr().err
 
 
-def test_no_node_there(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--target", "grpc://127.0.0.1:9", "--quiet"]) == 2
-    assert "no node answering" in capsys.readouterr().err
+def test_no_node_there() -> None:
+    with pytest.raises(BenchInputError, match="grpc://127.0.0.1:9: no node answering"):
+        GrpcTarget("grpc://127.0.0.1:9", connect_timeout_s=0.3)
