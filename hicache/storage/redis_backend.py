@@ -211,6 +211,9 @@ class RedisBackend(StorageBackend):
         self._cluster: RedisCluster | None = None
         self._cluster_lock = threading.Lock()
         self._nodes_pool: ThreadPoolExecutor | None = None
+        # Operations in flight hold one connection each: never more than a node's pool allows (a full
+        # pool would otherwise fail an operation, which would look like a dead store).
+        self._slots = threading.BoundedSemaphore(o.max_connections)
         self._hasher = ThreadPoolExecutor(max_workers=o.hash_threads or min(8, max(2, os.cpu_count() or 2)),
                                           thread_name_prefix="hicache-redis-hash")
         self._group = max(1, (1 << 20) // self._page_bytes)  # pages per hashing task
@@ -283,8 +286,17 @@ class RedisBackend(StorageBackend):
             g[1].append(it)
         return list(groups.values())
 
-    def _scatter(self, items: list[_Item], fn: Callable[[redis.Redis, list[_Item]], list[int]]) -> list[int]:
-        """Run ``fn`` per node (in parallel when there are several); results by batch position."""
+    def _scatter(self, items: list[_Item], node_fn: Callable[[redis.Redis, list[_Item]], list[int]]) -> list[int]:
+        """Run ``node_fn`` per node (in parallel when there are several); results by batch position."""
+
+        def fn(client: redis.Redis, its: list[_Item]) -> list[int]:
+            if not self._slots.acquire(timeout=self.opts.timeout_s):  # every connection busy for a timeout
+                raise TimeoutError("redis: no free connection")
+            try:
+                return node_fn(client, its)  # one connection per node call
+            finally:
+                self._slots.release()
+
         groups = self._route(items)
         out = [MISS] * len(items)
         if len(groups) == 1:

@@ -177,3 +177,25 @@ def test_tls_url_round_trip(tmp_path, open_backend, prefix) -> None:
         assert untrusted.batch_exists(keys) == 0 and untrusted.stats().errors == 1  # unknown CA: refused
     finally:
         r.stop()
+
+
+def test_more_concurrent_operations_than_connections_wait_instead_of_failing(redis_single, open_backend,
+                                                                             prefix) -> None:
+    b = open_backend(redis_single.url, prefix=prefix, max_connections=2)
+    keys, src = page_keys(32, "conc"), make_pool(32, seed=15)
+    assert b.batch_set(keys, src, list(range(32))) == 32
+    short: list[int] = []
+
+    def reader() -> None:
+        for _ in range(20):
+            dst = make_pool(32, seed=None)
+            n = b.batch_get(keys, dst, list(range(32)))
+            if n != 32 or not pages_equal(src, dst, list(range(32)), list(range(32))):
+                short.append(n)
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert short == [] and b.stats().errors == 0
