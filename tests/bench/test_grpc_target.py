@@ -74,5 +74,5 @@ def test_bench_cli_on_a_node(node: str, tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_no_node_there() -> None:
-    with pytest.raises(BenchInputError, match="grpc://127.0.0.1:9: no node answering"):
+    with pytest.raises(BenchInputError, match=r"grpc://127\.0\.0\.1:9: no node answering"):
         GrpcTarget("grpc://127.0.0.1:9", connect_timeout_s=0.3)
