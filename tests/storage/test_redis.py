@@ -199,3 +199,31 @@ def test_more_concurrent_operations_than_connections_wait_instead_of_failing(red
     for t in threads:
         t.join()
     assert short == [] and b.stats().errors == 0
+
+
+def test_cluster_follows_a_moved_slot(redis_cluster, open_backend, prefix) -> None:
+    """A slot changes owner behind the client's back: the MOVED reply refreshes the map, the retry lands."""
+    import redis as redis_py
+
+    b = open_backend(redis_cluster.url, prefix=prefix)
+    assert isinstance(b, RedisBackend)
+    keys = page_keys(4, "moved")
+    src, dst = make_pool(4, seed=16), make_pool(4, seed=None)
+    assert b.batch_exists(keys) == 0  # builds the slot map
+    rc = b._get_cluster()
+    slot = rc.keyslot(b.redis_key(keys[0]))
+    owner = rc.nodes_manager.get_node_from_slot(slot)
+    clients = {n.port: redis_py.Redis(port=n.port) for n in redis_cluster.nodes}
+    ids = {p: c.execute_command("CLUSTER", "MYID") for p, c in clients.items()}
+    assert all(c.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0 for c in clients.values())
+    target = next(p for p in clients if p != owner.port)
+    for c in clients.values():  # an empty slot can be reassigned directly
+        c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+    assert b.batch_set(keys, src, [0, 1, 2, 3]) == 4
+    assert b.stats().extra.get("retries", 0) >= 1
+    assert clients[target].exists(b.redis_key(keys[0])) == 1
+    assert b.batch_get(keys, dst, [0, 1, 2, 3]) == 4
+    assert pages_equal(src, dst, [0, 1, 2, 3], [0, 1, 2, 3])
+    b.delete(keys)
+    for c in clients.values():
+        c.close()
