@@ -9,7 +9,7 @@ mkdir -p "$out"
 python3 -m grpc_tools.protoc -Iproto --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
     proto/hicache/v1/*.proto
 # protoc writes absolute imports from the proto root ("from hicache.v1 import ..."); root them in our package.
-sed -i 's/^from hicache\.v1 import/from hicache.proto_gen.hicache.v1 import/' "$out"/hicache/v1/*_pb2_grpc.py
+sed -i 's/^from hicache\.v1 import/from hicache.proto_gen.hicache.v1 import/' "$out"/hicache/v1/*_pb2*.py*
 for d in "$out" "$out/hicache" "$out/hicache/v1"; do
     [ -f "$d/__init__.py" ] || printf '"""Generated from proto/ by scripts/gen_proto.sh; do not edit."""\n' > "$d/__init__.py"
 done
