@@ -115,6 +115,8 @@ class FileBackend(StorageBackend):
         return "/".join([self.root, *shards, h + PAGE_SUFFIX])
 
     def _ensure_dir(self, d: str) -> None:
+        if not self.atomic_rename:  # object stores have no directories to create
+            return
         if d not in self._dirs:
             self.fs.create_dir(d, recursive=True)
             self._dirs.add(d)
