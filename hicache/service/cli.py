@@ -13,7 +13,7 @@ import argparse
 import logging
 from typing import Any
 
-from hicache.config import load_config
+from hicache.config import ConfigError, load_config
 
 # flag dest -> (section, field)
 _FLAGS: dict[str, tuple[str, str]] = {
@@ -65,6 +65,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--write-policy")
     g.add_argument("--model")
     g.add_argument("--revision")
+    p.add_argument("--request-ttl-s", type=float, default=600.0,
+                   help="release requests idle this long (a client that went away); default 600")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -84,4 +86,6 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides=overrides_from_args(args))
     from hicache.service.server import run as run_server
 
-    return run_server(config)
+    if args.request_ttl_s <= 0:
+        raise ConfigError(f"--request-ttl-s: must be > 0, got {args.request_ttl_s}")
+    return run_server(config, request_ttl_s=args.request_ttl_s)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable
 
@@ -69,7 +70,8 @@ class EventHub:
             if not self._subs:
                 return
         msg = pb.Event(sequence=seq, kind=_KINDS[ev.kind], runs=[page_run(ev)], server_id=self.server_id)
-        self._loop.call_soon_threadsafe(self._dispatch, msg)
+        with contextlib.suppress(RuntimeError):  # the loop is closed (shutdown): nobody listens any more
+            self._loop.call_soon_threadsafe(self._dispatch, msg)
 
     def _dispatch(self, msg: pb.Event) -> None:
         for s in self._subs:

@@ -137,6 +137,7 @@ class NodeServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         await self.server.stop(grace)
+        self.cache.remove_listener(self.hub.on_tree_event)
         released = await self.servicer.release_all()
         if released:
             log.info("released %d requests still open", released)
@@ -162,9 +163,9 @@ class NodeServer:
 
 
 async def serve_until_signal(config: HiCacheConfig, ready: asyncio.Event | None = None,
-                             announce: bool = True) -> FlushReport | None:
+                             announce: bool = True, request_ttl_s: float = 600.0) -> FlushReport | None:
     """Run until SIGTERM / SIGINT, then shut down gracefully. Prints one ``listening on`` line when up."""
-    node = NodeServer(config)
+    node = NodeServer(config, request_ttl_s=request_ttl_s)
     await node.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -179,9 +180,9 @@ async def serve_until_signal(config: HiCacheConfig, ready: asyncio.Event | None 
     return await node.stop()
 
 
-def run(config: HiCacheConfig) -> int:
-    """Blocking entry point: uvloop when available, then :func:`serve_until_signal`."""
+def run(config: HiCacheConfig, request_ttl_s: float = 600.0) -> int:
+    """Blocking entry point: :func:`serve_until_signal` on uvloop."""
     import uvloop
 
-    uvloop.run(serve_until_signal(config))
+    uvloop.run(serve_until_signal(config, request_ttl_s=request_ttl_s))
     return 0

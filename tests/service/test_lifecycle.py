@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.request
@@ -11,6 +12,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from service_harness import ServerProc, free_port
@@ -86,6 +88,16 @@ def test_concurrency_limit_metrics_health_reflection(server_factory: Callable[..
         methods = {m.name for m in db.FindFileContainingSymbol("hicache.v1.HiCache").service[0].method}
         assert {"Match", "MatchStream", "Prefetch", "Allocate", "Commit", "Release", "Stats", "WatchEvents",
                 "GetPoolInfo", "Attach", "ReadPages", "WritePages"} <= methods
+        # like grpcurl: no generated code, only what reflection serves, JSON in and out
+        pool = descriptor_pool.DescriptorPool(db)
+        method = pool.FindServiceByName("hicache.v1.HiCache").FindMethodByName("Match")
+        req_cls = message_factory.GetMessageClass(method.input_type)
+        resp_cls = message_factory.GetMessageClass(method.output_type)
+        match = c.channel.unary_unary("/hicache.v1.HiCache/Match", request_serializer=req_cls.SerializeToString,
+                                      response_deserializer=resp_cls.FromString)
+        body = json_format.Parse(json.dumps({"token_ids": toks.tolist(), "peek": True}), req_cls())
+        reply = json_format.MessageToDict(match(body, timeout=5))
+        assert reply["numPages"] == 4 and reply.get("l1Pages", 0) == 0 and reply["pageSize"] == PS  # 0: omitted
     text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5).read().decode()
     assert 'hicache_rpc_seconds_bucket{le="0.001",method="Match"}' in text
     assert 'hicache_rpcs_total{code="RESOURCE_EXHAUSTED",method="Match"}' not in text  # refused before a handler
