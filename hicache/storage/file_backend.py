@@ -23,7 +23,8 @@ cap, deletes the oldest pages until it is below ``sweep_to`` of the cap.
 
 Options: ``max_bytes``, ``sweep_to`` (0.9), ``shard_levels`` (2), ``tmp_max_age_s`` (600),
 ``rescan_s`` (60), ``io_threads`` (0 = min(16, max(4, cpus)): pages of a batch are read, written and
-verified in parallel), ``delete_corrupt``
+verified in parallel), ``filesystem`` (a ``pyarrow.fs.FileSystem`` object to use instead of resolving the
+URL; its path part is the root), ``delete_corrupt``
 (true). A store error (disk full, permission, network) is counted and reported as a miss / nothing
 written; it never raises into the caller.
 """
@@ -64,7 +65,8 @@ class FileBackend(StorageBackend):
 
     def __init__(self, url: str, ctx: StorageContext, max_bytes: int = 0, sweep_to: float = 0.9,
                  shard_levels: int = 2, tmp_max_age_s: float = 600.0, rescan_s: float = 60.0,
-                 io_threads: int = 0, delete_corrupt: bool = True, **options: Any) -> None:
+                 io_threads: int = 0, delete_corrupt: bool = True, filesystem: pafs.FileSystem | None = None,
+                 **options: Any) -> None:
         super().__init__(url, ctx, **options)
         if options:
             raise ValueError(f"file store: unknown option(s) {sorted(options)}")
@@ -78,11 +80,15 @@ class FileBackend(StorageBackend):
             raise ValueError(f"file store io_threads: must be >= 0 (0: scale with the cpus), got {io_threads}")
         io_threads = io_threads or min(16, max(4, os.cpu_count() or 4))
         scheme = urlparse(url).scheme
-        if scheme in ("", "file"):
+        self.fs: pafs.FileSystem
+        if filesystem is not None:  # a pyarrow filesystem object supplied by the caller; the URL's path is the root
+            self.fs = filesystem
+            self.root = urlparse(url).path.rstrip("/") if scheme else url.rstrip("/")
+        elif scheme in ("", "file"):
             path = urlparse(url).path if scheme == "file" else url
             if not path:
                 raise ValueError(f"file store: no path in {url!r}")
-            self.fs: pafs.FileSystem = pafs.LocalFileSystem()
+            self.fs = pafs.LocalFileSystem()
             self.root = os.path.abspath(path)
         else:
             self.fs, self.root = pafs.FileSystem.from_uri(url)

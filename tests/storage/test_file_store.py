@@ -128,3 +128,21 @@ def test_unwritable_store_counts_errors_and_never_raises(tmp_path: Path) -> None
     assert b.batch_exists(keys) == 0
     assert b.stats().errors >= 3
     b.close()
+
+
+def test_any_pyarrow_filesystem_through_the_same_code() -> None:
+    """Not only the local disk: pyarrow's in-memory mock filesystem stands in for s3:// / hdfs:// here."""
+    from pyarrow._fs import _MockFileSystem
+
+    fs = _MockFileSystem()
+    b = FileBackend("mock:///kv/store", _ctx(), filesystem=fs, max_bytes=6 * FRAME)
+    keys, src, dst = page_keys(8, "mock"), make_pool(8, seed=17), make_pool(8, seed=None)
+    assert b.batch_set(keys[:4], src, [0, 1, 2, 3]) == 4
+    assert b.batch_get(keys[:4], dst, [0, 1, 2, 3]) == 4
+    assert pages_equal(src, dst, [0, 1, 2, 3], [0, 1, 2, 3])
+    h = keys[0].hex()
+    assert fs.get_file_info(f"/kv/store/{h[:2]}/{h[2:4]}/{h}.page").size == FRAME
+    assert b.batch_set(keys[4:], src, [4, 5, 6, 7]) == 4  # 8 pages > cap of 6: the oldest go
+    assert b.batch_exists(keys[4:]) == 4 and sum(b.batch_exists([k]) for k in keys[:4]) == 1
+    assert b.stored_bytes <= 6 * FRAME
+    b.close()
