@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "hicache.bench.cli",
     "doctor": "hicache.bench.doctor_cli",
     "serve": "hicache.service.cli",
+    "route": "hicache.router.cli",
 }
 
 

@@ -1,0 +1,84 @@
+"""``hicache route``: run the cache-aware router in front of node services.
+
+    hicache route --node gpu0=10.0.0.1:50051 --node gpu1=10.0.0.2:50051 [--config FILE] [--port 50061]
+
+The config FILE can be the nodes' own (``model`` and ``layout`` must be the nodes': the router computes
+the same page keys) plus a ``router`` section (see :mod:`hicache.router.config`). ``--node`` flags
+replace the file's node list. Precedence: file < ``HICACHE_ROUTER__<FIELD>`` / ``HICACHE_MODEL__...``
+environment < flags. Prints ``hicache route: listening on HOST:PORT`` when up; SIGTERM stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from hicache.router.config import load_router_config
+from hicache.router.scoring import policy_names
+
+# flag dest -> (section, field)
+_FLAGS: dict[str, tuple[str, str]] = {
+    "host": ("router", "host"),
+    "port": ("router", "port"),
+    "metrics_port": ("router", "metrics_port"),
+    "policy": ("router", "policy"),
+    "load_weight": ("router", "load_weight"),
+    "balance_abs_threshold": ("router", "balance_abs_threshold"),
+    "balance_rel_threshold": ("router", "balance_rel_threshold"),
+    "route_ttl_s": ("router", "route_ttl_s"),
+    "stats_interval_s": ("router", "stats_interval_s"),
+    "auth_token": ("router", "auth_token"),
+    "node_token": ("router", "node_token"),
+    "model": ("model", "name"),
+    "revision": ("model", "revision"),
+}
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "route", help="run the cache-aware router over node services", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--node", action="append", metavar="NAME=HOST:PORT", default=None,
+                   help="a node service (repeat for each node)")
+    p.add_argument("--config", metavar="FILE", help="YAML config (model, layout and router sections)")
+    g = p.add_argument_group("overrides (win over the file and the environment)")
+    g.add_argument("--host")
+    g.add_argument("--port", type=int)
+    g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: off)")
+    g.add_argument("--policy", choices=policy_names())
+    g.add_argument("--load-weight", type=float, help="cost of one queued request, in full prefills")
+    g.add_argument("--balance-abs-threshold", type=float, help="hot spot: load above the least loaded by this")
+    g.add_argument("--balance-rel-threshold", type=float, help="... and above this times the least loaded")
+    g.add_argument("--route-ttl-s", type=float, help="routes not completed by then stop counting as load")
+    g.add_argument("--stats-interval-s", type=float)
+    g.add_argument("--auth-token", help="require 'authorization: Bearer TOKEN' (prefer HICACHE_ROUTER__AUTH_TOKEN)")
+    g.add_argument("--node-token", help="bearer token for the nodes (prefer HICACHE_ROUTER__NODE_TOKEN)")
+    g.add_argument("--model")
+    g.add_argument("--revision")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for dest, (section, name) in _FLAGS.items():
+        v = getattr(args, dest, None)
+        if v is not None:
+            out.setdefault(section, {})[name] = v
+    if args.node:
+        out.setdefault("router", {})["nodes"] = list(args.node)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config, rconfig = load_router_config(args.config, overrides=overrides_from_args(args))
+    if not rconfig.nodes:
+        print("hicache route: no nodes: pass --node NAME=host:port (or router.nodes in --config)", file=sys.stderr)
+        return 2
+    from hicache.router.server import run as run_server
+
+    return run_server(config, rconfig)

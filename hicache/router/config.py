@@ -1,0 +1,157 @@
+"""Router configuration: the ``router`` section, next to the nodes' ``model`` / ``layout`` sections.
+
+The router must compute the same page keys as the nodes, so it reads the same ``model`` (name, revision,
+tenant, TP shard) and ``layout`` sections; a node config file can be reused as is (its ``cache``,
+``storage`` and ``serve`` sections are validated and ignored). Its own settings live in ``router``::
+
+    model: {name: llama-3.1-8b, revision: 0e9e39f}
+    layout: {num_layers: 32, num_kv_heads: 8, head_dim: 128, dtype: bfloat16, page_size: 64}
+    router:
+      port: 50061
+      nodes: ["gpu0=10.0.0.1:50051", "gpu1=10.0.0.2:50051"]   # or a mapping {gpu0: "10.0.0.1:50051"}
+      policy: cache_aware
+
+Precedence: the YAML file < environment ``HICACHE_<SECTION>__<FIELD>`` (``HICACHE_ROUTER__POLICY=...``)
+< explicit overrides (CLI flags). Every bad value raises :class:`hicache.config.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+
+from hicache.config import ConfigError, HiCacheConfig, _coerce, config_from_dict, env_overrides, merge
+from hicache.router.scoring import ScoringParams, policy_names
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class NodeSpec(NamedTuple):
+    name: str  # unique, [A-Za-z0-9_.-]
+    address: str  # host:port of the node service
+
+
+def parse_node(text: str) -> NodeSpec:
+    """``NAME=host:port`` -> NodeSpec (a bare ``host:port`` is its own name)."""
+    name, sep, addr = text.partition("=")
+    if not sep:
+        name, addr = text, text
+    name, addr = name.strip(), addr.strip()
+    host, colon, port = addr.rpartition(":")
+    if not _NAME.match(name.replace(":", "_")):
+        raise ConfigError(f"router.nodes: bad node name {name!r} (letters, digits, '_', '.', '-')")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"router.nodes: {text!r}: expected NAME=host:port")
+    return NodeSpec(name, addr)
+
+
+@dataclass
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50061
+    metrics_port: int = 0  # Prometheus /metrics (0: off)
+    nodes: list[NodeSpec] = field(default_factory=list)
+    policy: str = "cache_aware"
+    load_weight: float = 0.1  # cost of one queued request, in full prefills
+    l2_weight: float = 0.9  # an L2 page's worth relative to an L1 page
+    balance_abs_threshold: float = 8.0  # hot-spot protection (see hicache.router.scoring)
+    balance_rel_threshold: float = 1.5
+    route_ttl_s: float = 120.0  # a route not completed by then stops counting as load
+    stats_interval_s: float = 1.0  # poll each node's Stats (queue depth) this often
+    breaker_failures: int = 5  # consecutive transport failures that open a node's breaker
+    breaker_cooldown_s: float = 5.0
+    breaker_max_cooldown_s: float = 60.0
+    reconnect_max_s: float = 5.0  # event-stream reconnect backoff cap
+    event_queue: int = 0  # WatchEvents max_queue (0: the node's default)
+    verify_keys: bool = True  # recompute stored runs' keys from their tokens
+    max_request_tokens: int = 1 << 20
+    node_token: str = ""  # bearer token for the nodes (prefer HICACHE_ROUTER__NODE_TOKEN)
+    node_tls_ca: str = ""  # PEM: reach the nodes over TLS trusting this CA
+    node_client_cert: str = ""  # PEM pair for mTLS to the nodes
+    node_client_key: str = ""
+    auth_token: str = ""  # require this bearer token from the router's clients
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        self.nodes = [n if isinstance(n, NodeSpec) else parse_node(str(n)) for n in self.nodes]
+        names = [n.name for n in self.nodes]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ConfigError(f"router.nodes: node names must be unique, repeated: {sorted(dup)}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"router.port: must be in [0, 65535], got {self.port}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"router.metrics_port: must be in [0, 65535], got {self.metrics_port}")
+        if self.policy not in policy_names():
+            raise ConfigError(f"router.policy: must be one of {policy_names()}, got {self.policy!r}")
+        for f in ("route_ttl_s", "stats_interval_s", "breaker_cooldown_s", "reconnect_max_s", "shutdown_grace_s"):
+            if getattr(self, f) <= 0:
+                raise ConfigError(f"router.{f}: must be > 0, got {getattr(self, f)!r}")
+        if self.breaker_failures < 1:
+            raise ConfigError(f"router.breaker_failures: must be >= 1, got {self.breaker_failures}")
+        if self.breaker_max_cooldown_s < self.breaker_cooldown_s:
+            raise ConfigError("router.breaker_max_cooldown_s: must be >= breaker_cooldown_s")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("router.tls_key: set together with router.tls_cert")
+        try:
+            _ = self.scoring
+        except ValueError as e:
+            raise ConfigError(f"router.{e}") from None
+
+    @property
+    def scoring(self) -> ScoringParams:
+        return ScoringParams(self.load_weight, self.l2_weight, self.balance_abs_threshold,
+                             self.balance_rel_threshold)
+
+
+def _nodes(value: Any) -> list[NodeSpec]:
+    if isinstance(value, str):
+        value = [v for v in re.split(r"[,\s]+", value) if v]
+    if isinstance(value, Mapping):
+        return [parse_node(f"{k}={v}") for k, v in value.items()]
+    if not isinstance(value, list):
+        raise ConfigError(f"router.nodes: must be a list of NAME=host:port or a mapping, got {value!r}")
+    return [parse_node(str(v)) for v in value]
+
+
+def router_config_from_dict(values: Mapping[str, Any]) -> RouterConfig:
+    hints = typing.get_type_hints(RouterConfig)
+    known = {f.name for f in dataclasses.fields(RouterConfig)}
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        if name not in known:
+            raise ConfigError(f"router.{name}: unknown field; known: {sorted(known)}")
+        kwargs[name] = _nodes(value) if name == "nodes" else _coerce("router", name, hints[name], value)
+    return RouterConfig(**kwargs)
+
+
+def load_router_config(path: str | Path | None = None, env: Mapping[str, str] | None = None,
+                       overrides: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[HiCacheConfig, RouterConfig]:
+    """(the nodes' namespace config, the router's own), from YAML < environment < ``overrides``."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML ({e})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping of sections")
+        data = loaded
+    merged = merge(data, env_overrides(os.environ if env is None else env), overrides or {})
+    router = merged.pop("router", None) or {}
+    if not isinstance(router, Mapping):
+        raise ConfigError(f"router: must be a mapping, got {type(router).__name__}")
+    return config_from_dict(merged), router_config_from_dict(router)

@@ -1,0 +1,230 @@
+"""The router's state and decisions, without any transport: index + nodes + load + policies.
+
+:class:`Router` is what the gRPC servicer, the node feeds and the benchmark drive::
+
+    r = Router(hicache_config, router_config)       # namespace from hicache_config.model / .layout
+    r.apply_event("gpu0", event)                      # each node's WatchEvents messages, in order
+    d = r.route(token_bytes, tenant="acme")           # -> RouteDecision (node, prefix per tier, scores)
+    r.complete(d.route_id, grpc.StatusCode.OK)        # the request finished on d.node
+
+Page keys are computed with :mod:`hicache.keys` under ``Namespace(model, layout, revision, tp, tenant)``
+exactly as the nodes do; a node whose own namespace digest differs (reported by the feed after
+GetPoolInfo) is never routed to. Single-threaded: call it from one event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import grpc
+
+from hicache.client.types import Event
+from hicache.config import HiCacheConfig
+from hicache.keys import Namespace, page_keys_from_bytes
+from hicache.router.breaker import CircuitBreaker
+from hicache.router.config import NodeSpec, RouterConfig
+from hicache.router.index import NO_MATCH, Applied, KVIndex
+from hicache.router.load import InflightTracker, QueueDepth
+from hicache.router.scoring import Candidate, RoutingPolicy, Score, create_policy, policy_names
+
+log = logging.getLogger("hicache.router")
+
+
+class NoNodeError(Exception):
+    """No node can take the request (all excluded, breakers open or namespaces disagreeing)."""
+
+
+@dataclass
+class NodeState:
+    spec: NodeSpec
+    breaker: CircuitBreaker
+    queue: QueueDepth
+    connected: bool = False  # event stream open and in sync
+    namespace_ok: bool | None = None  # None until the node's namespace was checked
+    routed: int = 0
+    last_error: str = ""
+
+
+class NodeView(NamedTuple):
+    name: str
+    address: str
+    connected: bool
+    server_id: str
+    event_sequence: int
+    resyncs: int  # snapshots applied after the first
+    l1_pages: int
+    l2_pages: int
+    in_flight: int
+    queue_depth: int
+    breaker: str
+    routed: int
+    namespace_ok: bool
+    last_error: str
+
+
+class ScoredNode(NamedTuple):
+    score: Score | None  # None when not eligible
+    l1_pages: int
+    l2_pages: int
+    in_flight: int
+    queue_depth: int
+    why_not: str  # "" when eligible
+
+
+class RouteDecision(NamedTuple):
+    route_id: str  # "" when peek
+    node: str
+    address: str
+    l1_pages: int  # prefix on the chosen node's L1
+    l2_pages: int  # continued on its L2
+    num_pages: int  # full pages of the request
+    policy: str
+    reason: str
+    scores: dict[str, ScoredNode]  # every node, configuration order
+
+
+class Router:
+    def __init__(self, config: HiCacheConfig, rconfig: RouterConfig) -> None:
+        self.config = config
+        self.rconfig = rconfig
+        self.ns = config.namespace()
+        self.page_size = self.ns.page_size
+        self.index = KVIndex(self.page_size, rconfig.verify_keys)
+        self.inflight = InflightTracker(rconfig.route_ttl_s)
+        self.nodes: dict[str, NodeState] = {}
+        for spec in rconfig.nodes:
+            self.add_node(spec)
+        self.policies: dict[str, RoutingPolicy] = {n: create_policy(n, rconfig.scoring) for n in policy_names()}
+        self._tenants: dict[str, Namespace] = {}
+
+    def add_node(self, spec: NodeSpec) -> NodeState:
+        if spec.name in self.nodes:
+            raise ValueError(f"node {spec.name!r}: already known")
+        rc = self.rconfig
+        st = NodeState(spec, CircuitBreaker(rc.breaker_failures, rc.breaker_cooldown_s, rc.breaker_max_cooldown_s),
+                       QueueDepth(stale_after_s=3 * rc.stats_interval_s + 1.0))
+        self.nodes[spec.name] = st
+        return st
+
+    def namespace(self, tenant: str) -> Namespace:
+        if not tenant:
+            return self.ns
+        ns = self._tenants.get(tenant)
+        if ns is None:
+            if len(self._tenants) > 4096:
+                self._tenants.clear()
+            ns = self._tenants[tenant] = self.ns.with_tenant(tenant)
+        return ns
+
+    # ------------------------------------------------------------------ feed side
+    def apply_event(self, node: str, ev: Event) -> Applied:
+        """One message of ``node``'s event stream; RESYNC means: reconnect for a fresh snapshot."""
+        st = self.nodes[node]
+        res = self.index.apply(node, ev)
+        feed = self.index.feed(node)
+        st.connected = feed.synced
+        if res is Applied.RESYNC:
+            log.warning("node %s: event stream out of sequence (server %s, last %d, got %s %d): resync",
+                        node, feed.server_id, feed.sequence, ev.kind, ev.sequence)
+        return res
+
+    def disconnected(self, node: str, error: str = "") -> None:
+        """The node's event stream ended: forget its pages until the next snapshot."""
+        st = self.nodes[node]
+        st.connected = False
+        if error:
+            st.last_error = error
+        self.index.drop(node)
+
+    def set_namespace_digest(self, node: str, digest: bytes, describe: str = "") -> bool:
+        """Record the node's default namespace digest; False (and never routed to) when it is not ours."""
+        st = self.nodes[node]
+        ok = digest == self.ns.digest
+        if not ok and st.namespace_ok is not False:
+            st.last_error = (f"namespace mismatch: node serves {describe or digest.hex()[:16]}, router expects "
+                             f"{self.describe_namespace()}")
+            log.error("node %s: %s", node, st.last_error)
+        st.namespace_ok = ok
+        return ok
+
+    def describe_namespace(self) -> str:
+        ns = self.ns
+        return (f"model={ns.model} revision={ns.revision} layout={ns.layout.describe()} "
+                f"tp={ns.tp_rank}/{ns.tp_size} tenant={ns.tenant!r}")
+
+    def report_queue(self, node: str, depth: int) -> None:
+        self.nodes[node].queue.report(depth)
+
+    def record(self, node: str, code: grpc.StatusCode, error: str = "") -> None:
+        """Outcome of a call on ``node`` (router's own or a client's): feeds its breaker."""
+        st = self.nodes[node]
+        st.breaker.record(code)
+        if error:
+            st.last_error = error
+
+    # ------------------------------------------------------------------ decisions
+    def route(self, token_bytes: bytes, tenant: str = "", policy: str = "", exclude: Sequence[str] = (),
+              peek: bool = False) -> RouteDecision:
+        """Choose a node for the request (uint32 LE ``token_bytes``); counts it in flight unless ``peek``.
+
+        ``ValueError`` for an unknown policy or node name; :class:`NoNodeError` when nothing is eligible.
+        """
+        pol = self.policies.get(policy or self.rconfig.policy)
+        if pol is None:
+            raise ValueError(f"policy: unknown {policy!r}; known: {policy_names()}")
+        unknown = [n for n in exclude if n not in self.nodes]
+        if unknown:
+            raise ValueError(f"exclude_nodes: unknown node(s) {unknown}; known: {list(self.nodes)}")
+        self.inflight.expire()
+        ns = self.namespace(tenant)
+        keys = page_keys_from_bytes(ns.digest, token_bytes, self.page_size)
+        matches = self.index.match(keys)
+        cands: list[Candidate] = []
+        scored: dict[str, ScoredNode] = {}
+        skip = set(exclude)
+        for name, st in self.nodes.items():
+            m = matches.get(name, NO_MATCH)
+            c = Candidate(name, m.l1_pages, m.l2_pages, self.inflight.count(name), st.queue.value)
+            why = ("excluded" if name in skip else "namespace mismatch" if st.namespace_ok is False
+                   else "breaker open" if not st.breaker.allow() else "")
+            scored[name] = ScoredNode(None, c.l1_pages, c.l2_pages, c.in_flight, c.queue_depth, why)
+            if not why:
+                cands.append(c)
+        if not cands:
+            raise NoNodeError("no node can take the request: " + ", ".join(
+                f"{n}: {s.why_not}" for n, s in scored.items()) if scored else "no nodes configured")
+        d = pol.choose(cands, len(keys))
+        for c, s in zip(cands, d.scores, strict=True):
+            scored[c.node] = scored[c.node]._replace(score=s)
+        chosen = cands[d.chosen]
+        st = self.nodes[chosen.node]
+        rid = ""
+        if not peek:
+            rid = self.inflight.start(chosen.node)
+            st.routed += 1
+        return RouteDecision(rid, chosen.node, st.spec.address, chosen.l1_pages, chosen.l2_pages, len(keys),
+                             pol.name, d.reason, scored)
+
+    def complete(self, route_id: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> str | None:
+        """The routed request finished with ``code`` on its node; returns the node (None: unknown id)."""
+        node = self.inflight.finish(route_id)
+        if node is not None:
+            self.nodes[node].breaker.record(code)
+        return node
+
+    # ------------------------------------------------------------------ views
+    def views(self) -> list[NodeView]:
+        out = []
+        for name, st in self.nodes.items():
+            feed = self.index.feed(name)
+            l1, l2 = self.index.tier_pages(name)
+            out.append(NodeView(name, st.spec.address, st.connected, feed.server_id, feed.sequence,
+                                max(0, feed.snapshots - 1), l1, l2, self.inflight.count(name), st.queue.value,
+                                st.breaker.state, st.routed, st.namespace_ok is not False, st.last_error))
+        return out
+
+    def routable(self) -> bool:
+        return any(st.namespace_ok is not False and st.breaker.allow() for st in self.nodes.values())

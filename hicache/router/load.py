@@ -1,0 +1,98 @@
+"""Load per node: requests the router sent and not yet completed, and the queue depth nodes report.
+
+A counter that only ever goes up (completions never reported) or never moves (a node that never
+reports) would pin or starve a node, so:
+
+* every routed request counts at once on its node (no report needed for the counter to move) and stops
+  counting on ``finish`` (the client's Complete) or when it is older than ``ttl_s`` (a client that
+  crashed, a timeout): :meth:`InflightTracker.expire` runs before every decision;
+* a reported queue depth is trusted for ``stale_after_s`` only; after that it counts as 0 and the
+  router's own counter is the load.
+
+The load of a node is ``max(in_flight, queue_depth)``: the node's open requests include the router's
+own, so adding the two would count them twice; other clients' requests show up in the queue depth.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+
+class Inflight(NamedTuple):
+    node: str
+    deadline: float
+
+
+class InflightTracker:
+    def __init__(self, ttl_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._routes: collections.OrderedDict[str, Inflight] = collections.OrderedDict()  # deadline order
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._ids = itertools.count(1)
+        self._prefix = f"{int(time.time() * 1000) & 0xFFFFFFFF:08x}"
+        self.expired = 0  # routes dropped at the TTL
+
+    def start(self, node: str) -> str:
+        """Count one request on ``node``; returns its route id."""
+        rid = f"{self._prefix}-{next(self._ids)}"
+        self._routes[rid] = Inflight(node, self._clock() + self.ttl_s)
+        self._counts[node] += 1
+        return rid
+
+    def finish(self, route_id: str) -> str | None:
+        """Stop counting ``route_id``; returns its node (None: unknown or expired)."""
+        r = self._routes.pop(route_id, None)
+        if r is None:
+            return None
+        self._dec(r.node)
+        return r.node
+
+    def expire(self) -> int:
+        """Drop routes past their deadline; returns how many."""
+        now = self._clock()
+        n = 0
+        while self._routes:
+            rid, r = next(iter(self._routes.items()))
+            if r.deadline > now:
+                break
+            del self._routes[rid]
+            self._dec(r.node)
+            n += 1
+        self.expired += n
+        return n
+
+    def _dec(self, node: str) -> None:
+        self._counts[node] -= 1
+        if self._counts[node] <= 0:
+            del self._counts[node]
+
+    def count(self, node: str) -> int:
+        return self._counts.get(node, 0)
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+
+class QueueDepth:
+    """The last queue depth a node reported, trusted for ``stale_after_s``."""
+
+    def __init__(self, stale_after_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stale_after_s = stale_after_s
+        self._clock = clock
+        self._depth = 0
+        self._at = float("-inf")
+
+    def report(self, depth: int) -> None:
+        self._depth = max(0, int(depth))
+        self._at = self._clock()
+
+    @property
+    def value(self) -> int:
+        return self._depth if self._clock() - self._at <= self.stale_after_s else 0

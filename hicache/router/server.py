@@ -1,0 +1,233 @@
+"""``hicache.v1.Router`` over grpc.aio: the servicer, the server, and its Prometheus metrics.
+
+``RouterServer(config, rconfig).start()`` builds a :class:`~hicache.router.core.Router`, one
+:class:`~hicache.router.feed.NodeFeed` per node, and a gRPC server with the Router service, the standard
+health service (``""``: SERVING while up; ``hicache.v1.Router``: SERVING while at least one node is
+routable) and reflection; optional bearer token, TLS/mTLS and ``/metrics``. Everything runs on one event
+loop, so the index, loads and breakers need no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from typing import Any, TypeAlias
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from hicache.config import HiCacheConfig
+from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
+from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
+from hicache.router.breaker import status_from_number
+from hicache.router.config import RouterConfig
+from hicache.router.core import NoNodeError, RouteDecision, Router
+from hicache.router.feed import NodeFeed
+from hicache.service.auth import BearerTokenInterceptor
+from hicache.service.metrics_http import RPC_BUCKETS, MetricsServer
+from hicache.service.server import server_credentials
+from hicache.service.validation import NamespaceResolver, ServiceError, token_bytes
+
+log = logging.getLogger("hicache.router")
+SERVICE_NAME = rpb.DESCRIPTOR.services_by_name["Router"].full_name
+Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+class RouterMetrics:
+    def __init__(self, router: Router, registry: CollectorRegistry) -> None:
+        r = registry
+        self.routes = Counter("hicache_router_routes", "Requests routed, by node and reason", ["node", "reason"],
+                              registry=r)
+        self.route_seconds = Histogram("hicache_router_route_seconds", "Route decision time", registry=r,
+                                       buckets=RPC_BUCKETS)
+        self.request_pages = Counter("hicache_router_request_pages", "Full pages of routed requests", registry=r)
+        self.prefix_pages = Counter("hicache_router_prefix_pages", "Pages of routed requests the chosen node "
+                                    "held, by tier", ["tier"], registry=r)
+        self.completed = Counter("hicache_router_completed", "Complete calls, by status code", ["code"], registry=r)
+        self.index_keys = Gauge("hicache_router_index_keys", "Distinct page keys in the index", registry=r)
+        self.index_keys.set_function(lambda: len(router.index))
+        self.inflight = Gauge("hicache_router_inflight", "Routes not completed yet", registry=r)
+        self.inflight.set_function(lambda: len(router.inflight))
+        self.expired = Gauge("hicache_router_routes_expired", "Routes dropped at the TTL (never completed)",
+                             registry=r)
+        self.expired.set_function(lambda: router.inflight.expired)
+        self.node_up = Gauge("hicache_router_node_connected", "Event stream in sync, by node", ["node"], registry=r)
+        self.breaker_open = Gauge("hicache_router_breaker_open", "Breaker not closed, by node", ["node"], registry=r)
+        self.resyncs = Gauge("hicache_router_resyncs", "Snapshots applied after the first, by node", ["node"],
+                             registry=r)
+        for name in router.nodes:
+            self._per_node(router, name)
+
+    def _per_node(self, router: Router, name: str) -> None:
+        st = router.nodes[name]
+        feed = router.index.feed(name)
+        self.node_up.labels(name).set_function(lambda: float(st.connected))
+        self.breaker_open.labels(name).set_function(lambda: float(st.breaker.state != "closed"))
+        self.resyncs.labels(name).set_function(lambda: max(0, feed.snapshots - 1))
+
+
+def decision_pb(d: RouteDecision, page_size: int) -> rpb.RouteResponse:
+    scores = []
+    for name, s in d.scores.items():
+        sc = s.score
+        scores.append(rpb.NodeScore(
+            node=name, l1_pages=s.l1_pages, l2_pages=s.l2_pages, in_flight=s.in_flight, queue_depth=s.queue_depth,
+            prefix_score=sc.prefix_score if sc else 0.0, load=sc.load if sc else float(max(s.in_flight,
+                                                                                           s.queue_depth)),
+            cost=sc.cost if sc else 0.0, eligible=sc is not None, why_not=s.why_not))
+    return rpb.RouteResponse(route_id=d.route_id, node=d.node, address=d.address, l1_pages=d.l1_pages,
+                             l2_pages=d.l2_pages, num_pages=d.num_pages, page_size=page_size, policy=d.policy,
+                             reason=d.reason, scores=scores)
+
+
+class RouterServicer(rpb_grpc.RouterServicer):
+    def __init__(self, router: Router, metrics: RouterMetrics) -> None:
+        self.router = router
+        self.metrics = metrics
+        self.resolver = NamespaceResolver(router.ns)
+
+    async def Route(self, request: rpb.RouteRequest, context: Ctx) -> rpb.RouteResponse:
+        t0 = time.perf_counter()
+        r = self.router
+        try:
+            tb = token_bytes(request.tokens, request.token_ids, r.rconfig.max_request_tokens)
+            ref = request.namespace
+            ns = self.resolver.resolve(ref.tenant, ref.model, ref.revision, ref.layout)
+            d = r.route(tb, ns.tenant, request.policy, list(request.exclude_nodes), request.peek)
+        except ServiceError as e:
+            await context.abort(e.code, e.message)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except NoNodeError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        m = self.metrics
+        m.route_seconds.observe(time.perf_counter() - t0)
+        if not request.peek:
+            m.routes.labels(d.node, d.reason).inc()
+            m.request_pages.inc(d.num_pages)
+            m.prefix_pages.labels("l1").inc(d.l1_pages)
+            m.prefix_pages.labels("l2").inc(d.l2_pages)
+        return decision_pb(d, r.page_size)
+
+    async def Complete(self, request: rpb.CompleteRequest, context: Ctx) -> rpb.CompleteResponse:
+        code = status_from_number(request.status_code)
+        node = self.router.complete(request.route_id, code)
+        self.metrics.completed.labels(code.name).inc()
+        return rpb.CompleteResponse(known=node is not None, node=node or "")
+
+    async def ListNodes(self, request: rpb.ListNodesRequest, context: Ctx) -> rpb.ListNodesResponse:
+        r = self.router
+        r.inflight.expire()
+        nodes = [rpb.NodeInfo(name=v.name, address=v.address, connected=v.connected, server_id=v.server_id,
+                              event_sequence=v.event_sequence, resyncs=v.resyncs, l1_pages=v.l1_pages,
+                              l2_pages=v.l2_pages, in_flight=v.in_flight, queue_depth=v.queue_depth,
+                              breaker=v.breaker, routed=v.routed, namespace_ok=v.namespace_ok,
+                              last_error=v.last_error) for v in r.views()]
+        return rpb.ListNodesResponse(nodes=nodes, namespace=r.describe_namespace())
+
+
+class RouterServer:
+    def __init__(self, config: HiCacheConfig, rconfig: RouterConfig) -> None:
+        if not rconfig.nodes:
+            raise ValueError("router.nodes: at least one node (NAME=host:port) is needed")
+        self.config = config
+        self.rconfig = rconfig
+        self.router = Router(config, rconfig)
+        self.registry = CollectorRegistry()
+        self.metrics = RouterMetrics(self.router, self.registry)
+        self.feeds = [NodeFeed(self.router, spec) for spec in rconfig.nodes]
+        self.port = 0
+        self.metrics_port = 0
+        self._metrics_http: MetricsServer | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._stopped = False
+
+    async def start(self) -> None:
+        rc = self.rconfig
+        interceptors = [BearerTokenInterceptor(rc.auth_token)] if rc.auth_token else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        rpb_grpc.add_RouterServicer_to_server(RouterServicer(self.router, self.metrics), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server)
+        addr = f"{rc.host}:{rc.port}"
+        if rc.tls_cert:
+            self.port = self.server.add_secure_port(addr, server_credentials(rc.tls_cert, rc.tls_key,
+                                                                             rc.tls_client_ca))
+        else:
+            self.port = self.server.add_insecure_port(addr)
+        if self.port == 0:
+            raise OSError(f"route: cannot bind {addr}")
+        if rc.metrics_port:
+            self._metrics_http = MetricsServer(self.registry, rc.host, rc.metrics_port)
+            self.metrics_port = self._metrics_http.port
+        for f in self.feeds:
+            f.start()
+        await self.server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._health_task = asyncio.create_task(self._health_loop())
+        log.info("hicache route: %d nodes, policy %s, namespace %s", len(self.feeds), rc.policy,
+                 self.router.describe_namespace())
+
+    async def _health_loop(self) -> None:
+        last: bool | None = None
+        while True:
+            ok = self.router.routable()
+            if ok != last:
+                await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ok
+                                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+                last = ok
+            await asyncio.sleep(0.5)
+
+    async def wait_synced(self, timeout_s: float = 10.0) -> None:
+        """Wait until every node's event stream is in sync (tests, scripted starts)."""
+        end = time.monotonic() + timeout_s
+        while not all(st.connected for st in self.router.nodes.values()):
+            if time.monotonic() > end:
+                raise TimeoutError("nodes not in sync: " + ", ".join(
+                    f"{v.name} ({v.last_error or 'connecting'})" for v in self.router.views() if not v.connected))
+            await asyncio.sleep(0.02)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        await self.server.stop(self.rconfig.shutdown_grace_s if grace_s is None else grace_s)
+        for f in self.feeds:
+            await f.close()
+        if self._metrics_http is not None:
+            self._metrics_http.close()
+
+
+async def serve_until_signal(config: HiCacheConfig, rconfig: RouterConfig, announce: bool = True) -> None:
+    server = RouterServer(config, rconfig)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if announce:
+        extra = f" metrics http://{rconfig.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
+        print(f"hicache route: listening on {rconfig.host}:{server.port}{extra}", flush=True)
+    await stop.wait()
+    await server.stop()
+
+
+def run(config: HiCacheConfig, rconfig: RouterConfig) -> int:
+    import uvloop
+
+    uvloop.run(serve_until_signal(config, rconfig))
+    return 0
+
