@@ -1,0 +1,71 @@
+{{/*
+The router's command line, in one place. `hicache route` takes the node list as repeated
+`--node NAME=host:port` flags:
+  * router.nodes given: exactly those;
+  * node.kind=statefulset: every replica by its stable DNS name;
+  * node.kind=daemonset: the node pods behind the headless Service, resolved when the router starts
+    (it waits up to 5 minutes for the first one); restart the router after adding GPU nodes.
+*/}}
+{{- define "hicache.router.nodeFlags" -}}
+{{- $flags := list }}
+{{- if .Values.router.nodes }}
+{{- range .Values.router.nodes }}{{ $flags = append $flags (printf "--node=%s" .) }}{{ end }}
+{{- else if eq .Values.node.kind "statefulset" }}
+{{- range $i := until (int .Values.node.replicas) }}
+{{- $pod := printf "%s-%d" (include "hicache.node.name" $) $i }}
+{{- $flags = append $flags (printf "--node=%s=%s.%s.%s.svc:%d" $pod $pod (include "hicache.node.headless" $) $.Release.Namespace (int $.Values.node.port)) }}
+{{- end }}
+{{- end }}
+{{- toJson $flags }}
+{{- end }}
+
+{{- define "hicache.router.args" -}}
+{{- $args := list "route"
+    "--config" "/etc/hicache/hicache.yaml"
+    "--host" "0.0.0.0"
+    (printf "--port=%d" (int .Values.router.port)) }}
+{{- if .Values.router.metrics.port }}
+{{- $args = append $args (printf "--metrics-port=%d" (int .Values.router.metrics.port)) }}
+{{- end }}
+{{- $args = concat $args (include "hicache.router.nodeFlags" . | fromJsonArray) .Values.router.extraArgs }}
+{{- toJson $args }}
+{{- end }}
+
+{{/* Container command: plain `hicache ARGS`, or, for a DaemonSet without router.nodes, a small launcher
+that resolves the headless Service into --node flags first. */}}
+{{- define "hicache.router.discover" -}}
+{{- and (not .Values.router.nodes) (eq .Values.node.kind "daemonset") }}
+{{- end }}
+
+{{- define "hicache.router.container" -}}
+{{- $args := include "hicache.router.args" . | fromJsonArray }}
+{{- if eq (include "hicache.router.discover" .) "true" }}
+command: ["python3", "-c"]
+args:
+  - |
+    import os, socket, sys, time
+    host, port = sys.argv[1], int(sys.argv[2])
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            ips = sorted({a[4][0] for a in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)})
+        except socket.gaierror:
+            ips = []
+        if ips or time.monotonic() > deadline:
+            break
+        print(f"waiting for node pods behind {host}", flush=True)
+        time.sleep(5)
+    flags = [f"--node={ip}={ip}:{port}" for ip in ips]
+    os.execvp("hicache", ["hicache", *sys.argv[3:], *flags])
+  - {{ printf "%s.%s.svc" (include "hicache.node.headless" .) .Release.Namespace | quote }}
+  - {{ .Values.node.port | quote }}
+  {{- range $args }}
+  - {{ . | quote }}
+  {{- end }}
+{{- else }}
+args:
+  {{- range $args }}
+  - {{ . | quote }}
+  {{- end }}
+{{- end }}
+{{- end }}
