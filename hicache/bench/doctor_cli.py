@@ -45,8 +45,8 @@ def render(rep: DoctorReport, console: Console) -> None:
                   f"from an earlier prompt and re-synchronise (volatile span), {rep.misses_new_content} continue "
                   "with new content")
     if rep.groups or rep.rejected:
-        t = Table(title="Diverging spans (grouped by the tokens before them)")
-        for col in ("kind", "requests", "tokens lost", "at token", "context [span]", "moving it to the end"):
+        t = Table(title="Diverging spans (grouped by where the prompts re-synchronise)")
+        for col in ("kind", "requests", "tokens lost", "at token", "before [span] after", "moving it to the end"):
             t.add_column(col, justify="right" if col in ("requests", "tokens lost", "at token") else "left")
         for g, verdict in [(g, "helps") for g in rep.groups] + [(g, "does not help") for g in rep.rejected[:5]]:
             t.add_row(g.kind, str(g.count), str(g.tokens_lost), str(g.median_position), g.context.replace("\n", "\\n"),

@@ -28,6 +28,9 @@ def advice(hit_rate: float, infinite: float) -> str:
     if infinite - hit_rate > 0.05:
         return (f"Hit rate {hit_rate:.0%} is above {ADVICE_THRESHOLD:.0%}; {infinite - hit_rate:.0%} more is "
                 "reachable with more capacity: add or grow tiers.")
+    if infinite < 0.8:
+        return (f"Hit rate {hit_rate:.0%} is close to the {infinite:.0%} bound: capacity is not the limit, the "
+                "prompts are -- run `hicache doctor` to see whether something volatile early in them breaks reuse.")
     return f"Hit rate {hit_rate:.0%} is close to the {infinite:.0%} bound: the cache is doing all it can."
 
 
