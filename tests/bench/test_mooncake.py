@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from hicache.bench.optimal import page_trace
 from hicache.bench.replay import replay
 from hicache.bench.run import replay_config
 from hicache.bench.targets import InProcessTarget
@@ -38,11 +39,12 @@ def independent_ratio(path: Path) -> float:
 def test_unbounded_replay_matches_independent_count() -> None:
     reqs = load_trace(TRACE)
     assert len(reqs) == 3993
-    total = sum(len(r.tokens) for r in reqs)
-    cfg = replay_config(MOONCAKE_BLOCK, total, 0)  # L1 holds every token: nothing is evicted
+    distinct = page_trace(reqs, MOONCAKE_BLOCK).num_pages
+    cfg = replay_config(MOONCAKE_BLOCK, distinct * MOONCAKE_BLOCK, 0)  # L1 holds every distinct page: no eviction
     with InProcessTarget(cfg) as target:
         res = replay(reqs, target)
     expected = independent_ratio(TRACE)
     assert res.hit_rate == pytest.approx(expected, abs=1e-12)
     assert 0.6 < expected < 0.7  # Mooncake reports ~66% for its synthetic trace (blocks)
     assert res.l2.sum() == res.l3.sum() == 0
+    assert res.stats["l1_pages_cached"] == distinct
