@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from service_harness import ServerProc, start_server
+
+from .service_harness import ServerProc, start_server
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,14 @@ from typing import Any
 
 import grpc
 import numpy as np
-from service_harness import ServerProc
 
 from hicache.cache import HiCache
 from hicache.client import Event, HiCacheClient
 from hicache.keys import page_keys
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.service.events import EventHub
+
+from .service_harness import ServerProc
 
 PS = 16
 

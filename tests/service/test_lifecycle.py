@@ -15,12 +15,13 @@ import pytest
 from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from service_harness import ServerProc, free_port
 
 from hicache.client import HiCacheClient, RetryPolicy
 from hicache.config import config_from_dict
 from hicache.keys import page_keys
 from hicache.storage.base import StorageContext, create_backend
+
+from .service_harness import ServerProc, free_port
 
 PS = 16
 
@@ -119,7 +120,7 @@ def test_client_retries_unavailable_with_backoff() -> None:
 
 
 def test_client_retry_reaches_a_server_that_comes_up(tmp_path: Path) -> None:
-    from service_harness import start_server
+    from .service_harness import start_server
 
     port = free_port()
     result: list[object] = []

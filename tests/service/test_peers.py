@@ -6,9 +6,10 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from service_harness import ServerProc
 
 from hicache.client import AttachedPool, HiCacheClient
+
+from .service_harness import ServerProc
 
 PS = 16
 

@@ -6,7 +6,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from service_harness import REPO
+
+from .service_harness import REPO
 
 pytest.importorskip("grpc_tools")
 

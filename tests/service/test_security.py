@@ -10,9 +10,10 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_harness import ServerProc
 
 from hicache.client import HiCacheClient
+
+from .service_harness import ServerProc
 
 TOKEN = "s3cret-token"
 

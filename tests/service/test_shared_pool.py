@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from service_harness import REPO, ServerProc
+from .service_harness import REPO, ServerProc
 
 PEER = Path(__file__).with_name("peer_process.py")
 

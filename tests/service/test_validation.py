@@ -8,10 +8,11 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from service_harness import ServerProc
 
 from hicache.client import CallError, HiCacheClient
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
+
+from .service_harness import ServerProc
 
 PS = 16  # page size of the test server
 MAX_TOKENS = 64 * PS
