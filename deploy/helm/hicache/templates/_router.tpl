@@ -1,6 +1,6 @@
 {{/*
-The router's command line, in one place. `hicache route` takes the node list as repeated
-`--node NAME=host:port` flags:
+The router's command line, in one place: `hicache route --config /etc/hicache/router.yaml` plus the node
+list as repeated `--node=NAME=host:port` flags (they replace router.yaml's router.nodes):
   * router.nodes given: exactly those;
   * node.kind=statefulset: every replica by its stable DNS name;
   * node.kind=daemonset: the node pods behind the headless Service, resolved when the router starts
@@ -19,14 +19,9 @@ The router's command line, in one place. `hicache route` takes the node list as 
 {{- toJson $flags }}
 {{- end }}
 
+{{/* host, ports and the rest of the router section come from router.yaml (hicache.router.config). */}}
 {{- define "hicache.router.args" -}}
-{{- $args := list "route"
-    "--config" "/etc/hicache/hicache.yaml"
-    "--host" "0.0.0.0"
-    (printf "--port=%d" (int .Values.router.port)) }}
-{{- if .Values.router.metrics.port }}
-{{- $args = append $args (printf "--metrics-port=%d" (int .Values.router.metrics.port)) }}
-{{- end }}
+{{- $args := list "route" "--config" "/etc/hicache/router.yaml" }}
 {{- $args = concat $args (include "hicache.router.nodeFlags" . | fromJsonArray) .Values.router.extraArgs }}
 {{- toJson $args }}
 {{- end }}
@@ -68,4 +63,21 @@ args:
   - {{ . | quote }}
   {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* router.yaml: the nodes' model and layout (the router computes the same page keys) + the router section. */}}
+{{- define "hicache.router.config" -}}
+{{- $c := .Values.config }}
+{{- $r := deepCopy (.Values.router.config | default dict) }}
+{{- $_ := set $r "host" "0.0.0.0" }}
+{{- $_ := set $r "port" (int .Values.router.port) }}
+{{- $_ := set $r "metrics_port" (ternary (int .Values.router.metrics.port) 0 .Values.metrics.enabled) }}
+{{- if .Values.tls.enabled }}
+{{- $_ := set $r "node_tls_ca" "/etc/hicache/tls/ca.crt" }}
+{{- if .Values.tls.mtls }}
+{{- $_ := set $r "node_client_cert" "/etc/hicache/tls/tls.crt" }}
+{{- $_ := set $r "node_client_key" "/etc/hicache/tls/tls.key" }}
+{{- end }}
+{{- end }}
+{{- toYaml (dict "model" ($c.model | default dict) "layout" ($c.layout | default dict) "router" $r) }}
 {{- end }}
