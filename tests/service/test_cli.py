@@ -1,0 +1,33 @@
+"""``hicache serve`` flags override the config file, which overrides nothing it does not name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hicache.cli import build_parser
+from hicache.config import ConfigError, load_config
+from hicache.service.cli import overrides_from_args, run
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "node.yaml"
+    path.write_text(yaml.safe_dump({"serve": {"port": 6000, "max_concurrency": 8, "auth_token": "from-file"},
+                                    "cache": {"l1_tokens": 8192}}))
+    args = build_parser("serve").parse_args(["serve", "--config", str(path), "--port", "7000",
+                                             "--no-shared-pool", "--storage-url", "memory://", "--l2-tokens", "0"])
+    cfg = load_config(args.config, env={}, overrides=overrides_from_args(args))
+    assert cfg.serve.port == 7000 and cfg.serve.shared_pool is False
+    assert cfg.serve.max_concurrency == 8 and cfg.serve.auth_token == "from-file"  # from the file
+    assert cfg.cache.l1_tokens == 8192 and cfg.cache.l2_tokens == 0 and cfg.storage.url == "memory://"
+
+
+def test_bad_values_are_config_errors(tmp_path: Path) -> None:
+    args = build_parser("serve").parse_args(["serve", "--port", "70000"])
+    with pytest.raises(ConfigError, match=r"serve\.port"):
+        run(args)
+    args = build_parser("serve").parse_args(["serve", "--request-ttl-s", "0"])
+    with pytest.raises(ConfigError, match="request-ttl-s"):
+        run(args)
