@@ -74,9 +74,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--follow-timestamps", action="store_true", help="start requests at their trace times")
     g.add_argument("--speed", type=float, default=1.0, help="time scale with --follow-timestamps (10 = 10x faster)")
     g.add_argument("--model-layout", default="llama-3.1-8b",
-                   help="KV layout for bytes and times: llama-3.1-8b | llama-3.1-70b | qwen2.5-7b | deepseek-v3")
-    g.add_argument("--prefill-rate", type=float, default=41_000.0, help="prefill tokens/s (default 41000: "
-                   "8B-shaped model, eager PyTorch, H200)")
+                   help="KV layout for bytes and times: llama-3.1-8b | llama-3.1-70b | qwen2.5-7b | deepseek-v3 | "
+                   "small | tiny")
+    g.add_argument("--prefill-rate", default="41000", help="prefill tokens/s (default 41000: 8B-shaped model, "
+                   "eager PyTorch, H200), or 'measure' (reference decoder of --model-layout's shape, this machine)")
     g.add_argument("--l2-bandwidth", type=float, default=50e9, help="L2 -> L1 bytes/s (default 50e9)")
     g.add_argument("--l3-bandwidth", type=float, default=2e9, help="L3 -> L1 bytes/s (default 2e9)")
     g.add_argument("--capacities", default="5,10,20,30,50,75,100",
@@ -105,7 +106,26 @@ def _fractions(text: str) -> list[float]:
     return out
 
 
-def options(args: argparse.Namespace) -> Any:
+def prefill_rate(args: argparse.Namespace, console: Console | None = None) -> float:
+    text = str(getattr(args, "prefill_rate", "41000"))
+    if text == "measure":
+        from hicache.bench.prefill import measure_prefill_rate
+
+        m = measure_prefill_rate(getattr(args, "model_layout", "llama-3.1-8b"))
+        if console is not None:
+            console.print(f"measured prefill: {m.tokens_per_s:,.0f} tokens/s ({m.preset} shape, {m.tokens}-token "
+                          f"prompt, {m.device})")
+        return m.tokens_per_s
+    try:
+        rate = float(text)
+    except ValueError:
+        raise BenchInputError(f"--prefill-rate: expected tokens/s or 'measure', got {text!r}") from None
+    if rate <= 0:
+        raise BenchInputError(f"--prefill-rate: must be > 0, got {text}")
+    return rate
+
+
+def options(args: argparse.Namespace, console: Console | None = None) -> Any:
     from hicache.bench.run import BenchOptions
 
     return BenchOptions(
@@ -116,7 +136,7 @@ def options(args: argparse.Namespace) -> Any:
         write_policy=getattr(args, "write_policy", "write_through_selective"),
         eviction_policy=args.eviction_policy, prefetch_policy=getattr(args, "prefetch_policy", "wait_complete"),
         target=getattr(args, "target", "inproc"), model_layout=getattr(args, "model_layout", "llama-3.1-8b"),
-        prefill_rate=getattr(args, "prefill_rate", 41_000.0), l2_bandwidth=getattr(args, "l2_bandwidth", 50e9),
+        prefill_rate=prefill_rate(args, console), l2_bandwidth=getattr(args, "l2_bandwidth", 50e9),
         l3_bandwidth=getattr(args, "l3_bandwidth", 2e9), curve=_fractions(getattr(args, "capacities", "")),
         follow_timestamps=getattr(args, "follow_timestamps", False), speed=getattr(args, "speed", 1.0),
     )
@@ -182,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         from hicache.bench.report import render, write_outputs
         from hicache.bench.run import load_requests, run_bench
 
-        opts = options(args)
+        opts = options(args, console)
         wl = load_requests(opts)
         with progress_bar(console, args.quiet) as bar:
             res = run_bench(opts, wl, staged(bar))

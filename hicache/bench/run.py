@@ -39,6 +39,8 @@ MODEL_LAYOUTS: dict[str, KVLayout] = {
     "llama-3.1-70b": KVLayout(80, 8, 128, "bfloat16"),
     "qwen2.5-7b": KVLayout(28, 4, 128, "bfloat16"),
     "deepseek-v3": KVLayout(61, 1, 576, "bfloat16", attention="mla"),
+    "small": KVLayout(8, 4, 64, "bfloat16"),  # the reference decoder's "small" preset (CPU-measurable)
+    "tiny": KVLayout(2, 2, 16, "bfloat16"),  # its "tiny" preset (tests)
 }
 DEFAULT_CURVE = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 # DESIGN figures (H200 host): eager 8B prefill ~41k tokens/s; pinned host -> GPU ~50 GB/s; one store ~2 GB/s.

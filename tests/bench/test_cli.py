@@ -66,3 +66,11 @@ def test_bad_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 def test_bad_input_exits_2(argv: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--quiet"] if argv[0] == "bench" else argv) == 2
     _one_line_error(capsys, *needles)
+
+
+def test_measured_prefill_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *SMALL, "--model-layout", "tiny", "--prefill-rate", "measure", "--l3", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "measured prefill:" in out and "tiny shape" in out
+    assert main(["bench", *SMALL, "--prefill-rate", "fast"]) == 2
+    _one_line_error(capsys, "--prefill-rate", "'fast'")
