@@ -26,7 +26,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,91 +49,116 @@ def layout_for(page_bytes: int) -> KVLayout:
     return KVLayout(num_layers=layers, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)
 
 
-def timed(fn: Callable[[], Any], repeat: int) -> float:
-    """Best wall time of ``repeat`` runs."""
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def batches(n: int, size: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
 
 
-def bench_backend(backend: StorageBackend, src: HostPool, dst: HostPool, keys: list[bytes], batch: int,
-                  repeat: int) -> tuple[float, float]:
-    n = len(keys)
-    idx = list(range(n))
+class Case:
+    """One side of a comparison: ``reset`` (untimed: remove what ``set_all`` stores), ``set_all``, ``get_all``."""
 
-    def set_all() -> None:
-        for lo, hi in batches(n, batch):
-            got = backend.batch_set(keys[lo:hi], src, idx[lo:hi])
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def set_all(self) -> None:
+        raise NotImplementedError
+
+    def get_all(self) -> None:
+        raise NotImplementedError
+
+
+class BackendCase(Case):
+    """The real backend: framing, checksums, verification, pages written into host pool pages."""
+
+    def __init__(self, backend: StorageBackend, src: HostPool, dst: HostPool, keys: list[bytes], batch: int) -> None:
+        self.b, self.src, self.dst, self.keys, self.batch = backend, src, dst, keys, batch
+        self.idx = list(range(len(keys)))
+
+    def reset(self) -> None:
+        self.b.delete(self.keys)
+
+    def set_all(self) -> None:
+        for lo, hi in batches(len(self.keys), self.batch):
+            got = self.b.batch_set(self.keys[lo:hi], self.src, self.idx[lo:hi])
             assert got == hi - lo, f"batch_set stored {got}/{hi - lo}"
 
-    def get_all() -> None:
-        for lo, hi in batches(n, batch):
-            got = backend.batch_get(keys[lo:hi], dst, idx[lo:hi])
+    def get_all(self) -> None:
+        self.dst.buffer.zero_()
+        for lo, hi in batches(len(self.keys), self.batch):
+            got = self.b.batch_get(self.keys[lo:hi], self.dst, self.idx[lo:hi])
             assert got == hi - lo, f"batch_get read {got}/{hi - lo}"
-
-    t_set = timed(set_all, repeat)
-    dst.buffer.zero_()
-    t_get = timed(get_all, repeat)
-    assert torch.equal(src.buffer.view(torch.uint8), dst.buffer.view(torch.uint8)), "bytes differ after round trip"
-    return t_set, t_get
+        assert torch.equal(self.src.buffer.view(torch.uint8), self.dst.buffer.view(torch.uint8)), "bytes differ"
 
 
-def bench_redis_raw(client: redis.Redis | RedisCluster, values: list[bytes], batch: int,
-                    repeat: int) -> tuple[float, float]:
-    keys = [f"raw:{{{i}}}".encode() for i in range(len(values))]
+class RedisRawCase(Case):
+    """Plain redis-py pipelines of the same bytes (values prebuilt as ``bytes``)."""
 
-    def set_all() -> None:
-        for lo, hi in batches(len(keys), batch):
-            p = client.pipeline(transaction=False)
-            for k, v in zip(keys[lo:hi], values[lo:hi], strict=True):
+    def __init__(self, client: redis.Redis | RedisCluster, values: list[bytes], batch: int) -> None:
+        self.c, self.values, self.batch = client, values, batch
+        self.keys = [f"raw:{{{i}}}".encode() for i in range(len(values))]
+
+    def reset(self) -> None:
+        for lo, hi in batches(len(self.keys), 1000):
+            p = self.c.pipeline(transaction=False)
+            for k in self.keys[lo:hi]:
+                p.delete(k)
+            p.execute()
+
+    def set_all(self) -> None:
+        for lo, hi in batches(len(self.keys), self.batch):
+            p = self.c.pipeline(transaction=False)
+            for k, v in zip(self.keys[lo:hi], self.values[lo:hi], strict=True):
                 p.set(k, v)
             p.execute()
 
-    def get_all() -> None:
-        for lo, hi in batches(len(keys), batch):
-            p = client.pipeline(transaction=False)
-            for k in keys[lo:hi]:
+    def get_all(self) -> None:
+        n = len(self.values[0])
+        for lo, hi in batches(len(self.keys), self.batch):
+            p = self.c.pipeline(transaction=False)
+            for k in self.keys[lo:hi]:
                 p.get(k)
-            out = p.execute()
-            assert all(v is not None and len(v) == len(values[0]) for v in out)
-
-    t_set = timed(set_all, repeat)
-    t_get = timed(get_all, repeat)
-    for lo, hi in batches(len(keys), 1000):
-        p = client.pipeline(transaction=False)
-        for k in keys[lo:hi]:
-            p.delete(k)
-        p.execute()
-    return t_set, t_get
+            assert all(v is not None and len(v) == n for v in p.execute())
 
 
-def bench_file_raw(root: Path, src: HostPool, dst: HostPool, n: int, repeat: int) -> tuple[float, float]:
-    """One new file per page (as the store writes: a fresh temporary file per page), then read back."""
-    root.mkdir(parents=True, exist_ok=True)
-    best_set = best_get = float("inf")
-    for r in range(repeat):
-        paths = [root / f"{r}-{i}.bin" for i in range(n)]
-        t = time.perf_counter()
-        for i, p in enumerate(paths):
+class FileRawCase(Case):
+    """Sequential ``open``/``write`` of one new file per page, ``open``/``readinto`` back."""
+
+    def __init__(self, root: Path, src: HostPool, dst: HostPool, n: int) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.paths = [root / f"{i}.bin" for i in range(n)]
+        self.src, self.dst = src, dst
+
+    def reset(self) -> None:
+        for p in self.paths:
+            p.unlink(missing_ok=True)
+
+    def set_all(self) -> None:
+        for i, p in enumerate(self.paths):
             with open(p, "wb") as f:
-                f.write(src.page_view(i))
-        best_set = min(best_set, time.perf_counter() - t)
-        t = time.perf_counter()
-        for i, p in enumerate(paths):
+                f.write(self.src.page_view(i))
+
+    def get_all(self) -> None:
+        for i, p in enumerate(self.paths):
             with open(p, "rb", buffering=0) as f:
-                f.readinto(dst.page_view(i))
-        best_get = min(best_get, time.perf_counter() - t)
-        for p in paths:
-            p.unlink()
-    shutil.rmtree(root, ignore_errors=True)
-    return best_set, best_get
+                f.readinto(self.dst.page_view(i))
+
+
+def measure(ours: Case, raw: Case, repeat: int) -> tuple[float, float, float, float]:
+    """Best times (ours set, raw set, ours get, raw get); the two sides alternate within every repeat so
+    both see the same machine conditions."""
+    best = [float("inf")] * 4
+    for _ in range(repeat):
+        for i, case in enumerate((ours, raw)):
+            case.reset()
+            t = time.perf_counter()
+            case.set_all()
+            best[i] = min(best[i], time.perf_counter() - t)
+        for i, case in enumerate((ours, raw)):
+            t = time.perf_counter()
+            case.get_all()
+            best[2 + i] = min(best[2 + i], time.perf_counter() - t)
+    ours.reset()
+    raw.reset()
+    return best[0], best[1], best[2], best[3]
 
 
 def checksum_ceiling_gbps(nbytes: int = 64 << 20) -> float:
@@ -196,21 +220,25 @@ def main(argv: list[str] | None = None) -> int:
                 targets.append(("file", f"file://{tmp / 'store'}"))
             for name, url in targets:
                 backend = create_backend(url, ctx)
+                client: redis.Redis | RedisCluster | None = None
+                raw: Case
+                if name == "redis" and single is not None:
+                    client = redis.Redis(port=single.port)
+                    raw = RedisRawCase(client, values, args.batch)
+                elif name == "cluster" and cluster is not None:
+                    client = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", x.port) for x in cluster.nodes])
+                    raw = RedisRawCase(client, values, args.batch)
+                else:
+                    raw = FileRawCase(tmp / "raw", src, dst, n)
                 try:
-                    t_set, t_get = bench_backend(backend, src, dst, keys, args.batch, args.repeat)
-                    backend.delete(keys)
+                    t_set, r_set, t_get, r_get = measure(BackendCase(backend, src, dst, keys, args.batch), raw,
+                                                         args.repeat)
                     st = backend.stats()
                     assert st.errors == 0 and st.corrupt_pages == 0, st
                 finally:
                     backend.close()
-                if name == "redis" and single is not None:
-                    r_set, r_get = bench_redis_raw(redis.Redis(port=single.port), values, args.batch, args.repeat)
-                elif name == "cluster" and cluster is not None:
-                    rc = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", x.port) for x in cluster.nodes])
-                    r_set, r_get = bench_redis_raw(rc, values, args.batch, args.repeat)
-                    rc.close()
-                else:
-                    r_set, r_get = bench_file_raw(tmp / "raw", src, dst, n, args.repeat)
+                    if client is not None:
+                        client.close()
                 gb = n * size / 1e9
                 rows.append({
                     "backend": name, "page": sname, "page_bytes": size, "pages": n, "bytes": n * size,
