@@ -85,7 +85,7 @@ def _client_proc(target: str, tokens: bytes, mode: str, clients: int, rate: floa
             t_start = pc()
             end = t_start + seconds
 
-            shared = c.match_stream() if mode == "pipelined" else None
+            shared = c.match_stream(pipelined=True) if mode == "pipelined" else None
 
             async def worker(i: int) -> None:
                 nonlocal errors, last_done

@@ -91,10 +91,12 @@ class AsyncHiCacheClient:
         req = match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
         return MatchResult.from_pb(await self._call(self.stub.Match, req, timeout_s))
 
-    def match_stream(self) -> AsyncMatchStream:
-        """A MatchStream session: ``await s.match(...)`` like :meth:`match` (errors raise
-        :class:`CallError`), several calls may be in flight at once; ``await s.close()`` ends it."""
-        return AsyncMatchStream(self)
+    def match_stream(self, pipelined: bool = False) -> AsyncMatchStream:
+        """A MatchStream session: ``await s.match(...)`` like :meth:`match` (refusals raise
+        :class:`CallError`); ``await s.close()`` ends it. Calls on one session run one at a time, unless
+        ``pipelined``: then any number may be in flight (replies are matched to calls by order), at a
+        little more cost per call."""
+        return AsyncMatchStream(self, pipelined)
 
     async def prefetch(self, request_id: str, *, stream_progress: bool = False, progress_interval_ms: int = 0,
                        timeout_s: float | None = None) -> AsyncIterator[PrefetchProgress]:
@@ -158,10 +160,12 @@ class AsyncHiCacheClient:
 
 
 class AsyncMatchStream:
-    """Matches pipelined over one MatchStream call; replies are matched to calls by order."""
+    """Matches over one MatchStream call: one at a time (write, read), or pipelined (a reader task hands
+    replies to the waiting calls in order)."""
 
-    def __init__(self, client: AsyncHiCacheClient) -> None:
+    def __init__(self, client: AsyncHiCacheClient, pipelined: bool = False) -> None:
         self._call = client.stub.MatchStream(metadata=client._md)
+        self._pipelined = pipelined
         self._pending: collections.deque[asyncio.Future[pb.MatchResponse]] = collections.deque()
         self._write_lock = asyncio.Lock()
         self._reader: asyncio.Task[None] | None = None
@@ -181,6 +185,13 @@ class AsyncMatchStream:
     async def match(self, tokens: Tokens, request_id: str = "", *, tenant: str = "", load: bool = False,
                     skip_l3: bool = False, peek: bool = False, return_keys: bool = False) -> MatchResult:
         req = match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
+        if not self._pipelined:
+            async with self._write_lock:
+                await self._call.write(req)
+                m = await self._call.read()
+            if m is grpc.aio.EOF:
+                raise CallError(grpc.StatusCode.UNAVAILABLE, "match stream ended")
+            return MatchResult.from_pb(check_reply(m))
         fut: asyncio.Future[pb.MatchResponse] = asyncio.get_running_loop().create_future()
         async with self._write_lock:
             self._pending.append(fut)

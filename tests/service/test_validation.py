@@ -121,3 +121,25 @@ def test_bad_request_lifecycle_calls(client: HiCacheClient) -> None:
     client.release("b")
     expect(C.NOT_FOUND, lambda: client.release("b"), "already released")
     assert client.stats().open_requests == 0
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_match_stream_sessions_answer_concurrent_calls_in_order(srv: ServerProc, pipelined: bool) -> None:
+    import asyncio
+
+    from hicache.client import AsyncHiCacheClient
+
+    prompts = [tokens(100 + i, (1 + i % 7) * PS) for i in range(24)]
+
+    async def main() -> list[int]:
+        async with AsyncHiCacheClient(srv.target) as c:
+            s = c.match_stream(pipelined=pipelined)
+            results = await asyncio.gather(*(s.match(p, peek=True) for p in prompts))
+            with pytest.raises(CallError):
+                await s.match(prompts[0], request_id="r", peek=True)
+            again = await s.match(prompts[3], peek=True)  # the session survives a refusal
+            await s.close()
+            return [r.num_pages for r in results] + [again.num_pages]
+
+    got = asyncio.run(main())
+    assert got == [len(p) // PS for p in prompts] + [len(prompts[3]) // PS]
