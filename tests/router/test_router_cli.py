@@ -54,7 +54,7 @@ def test_hicache_route_process(tmp_path: Path) -> None:
             f"gpu0=127.0.0.1:{node.port}", "--port", "0", "--metrics-port", str(metrics_port),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env, cwd=REPO)
         assert proc.stdout is not None
-        lines = []
+        lines: list[str] = []
         try:
             port = 0
             while not port:
