@@ -23,6 +23,14 @@ from hicache.config import config_from_dict, env_overrides, merge  # noqa: E402
 
 OLDEST_KUBE = "1.27.0"  # Chart.yaml kubeVersion; native grpc probes are GA from 1.27
 
+
+def kube_versions() -> list[str]:
+    """The oldest supported Kubernetes (or the oldest schema this kubernetes-validate ships) and the newest."""
+    from packaging.version import Version
+
+    oldest = max(OLDEST_KUBE, kv.utils.all_versions()[0], key=Version)
+    return sorted({oldest, kv.latest_version()}, key=Version)
+
 SMALL = {"layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16", "page_size": 16},
          "cache": {"l1_tokens": 4096, "l2_tokens": 4096}}
 
@@ -76,7 +84,9 @@ def test_lint_is_clean(case: str) -> None:
 def test_every_manifest_validates_against_kubernetes(rendered: dict[str, Rendered], case: str) -> None:
     r = rendered[case]
     assert r.docs
-    for version in (OLDEST_KUBE, kv.latest_version()):
+    versions = kube_versions()
+    assert len(versions) == 2
+    for version in versions:
         for doc in r.docs:
             if doc["kind"] == "ServiceMonitor":  # a CRD: no schema in Kubernetes itself
                 continue
