@@ -34,7 +34,7 @@ async def start_nodes(n: int) -> list[NodeServer]:
 
 async def start_router(nodes: list[NodeServer], **kw: object) -> RouterServer:
     rc = RouterConfig(port=0, nodes=[NodeSpec(f"n{i}", f"127.0.0.1:{n.port}") for i, n in enumerate(nodes)],
-                      stats_interval_s=0.2, **kw)  # type: ignore[arg-type]
+                      stats_interval_s=0.2, reconnect_max_s=0.3, **kw)  # type: ignore[arg-type]
     router = RouterServer(node_config(), rc)
     await router.start()
     await router.wait_synced(10)
@@ -125,17 +125,38 @@ def test_prefix_affinity_and_rebuild_after_router_restart() -> None:
                 raise AssertionError("accepted another model")
             assert all(n.breaker == "closed" for n in (await rc.list_nodes()).nodes)
 
-            # a node goes away: its pages leave the index, its documents go elsewhere
+            # a node goes away: its pages leave the index at once (it may come back empty)
             lost = home[0]
-            await nodes[int(lost[1])].stop(0.1)
+            idx = int(lost[1])
+            old_id = (await rc.list_nodes()).nodes[idx].server_id
+            port = nodes[idx].port
+            await nodes[idx].stop(0.1)
 
-            async def moved() -> bool:
+            async def gone() -> bool:
                 d = await rc.route(docs[0], peek=True)
-                return d.node != lost and d.l1_pages == 0
+                return d.scores[idx].l1_pages == 0 and not (await rc.list_nodes()).nodes[idx].connected
 
-            await eventually(moved)
-            info = {n.name: n for n in (await rc.list_nodes()).nodes}
-            assert not info[lost].connected and info[lost].l1_pages == 0 and info[lost].last_error
+            await eventually(gone)
+            info = (await rc.list_nodes()).nodes[idx]
+            assert info.l1_pages == 0 and info.last_error
+            d = await rc.route(docs[1], peek=True)
+            assert (d.node, d.l1_pages) == (home[1], DOC_PAGES)  # the others are untouched
+
+            # it restarts on the same address (a new server run, empty cache): the router reconnects,
+            # takes the new snapshot, closes the breaker the outage may have opened
+            nodes[idx] = NodeServer(node_config(serve={"port": port, "metrics_port": 0, "shared_pool": False,
+                                                       "shutdown_grace_s": 1.0}))
+            await nodes[idx].start()
+
+            async def back() -> bool:
+                n = (await rc.list_nodes()).nodes[idx]
+                return n.connected and n.server_id not in ("", old_id) and n.breaker == "closed"
+
+            await eventually(back, timeout=20)
+            c = clients[lost]
+            q = np.concatenate([docs[0], tokens(400, 1)])
+            await serve_on(c, q, "after-restart")
+            await eventually(lambda: _has(rc, docs[0], lost))
         finally:
             await rc.close()
             await router.stop()
@@ -145,6 +166,11 @@ def test_prefix_affinity_and_rebuild_after_router_restart() -> None:
                 await n.stop(0.1)
 
     asyncio.run(main())
+
+
+async def _has(rc: AsyncRouterClient, toks: np.ndarray, node: str) -> bool:
+    d = await rc.route(toks, peek=True)
+    return (d.node, d.l1_pages) == (node, DOC_PAGES)
 
 
 def test_index_stays_exact_when_the_node_resnapshots_a_slow_subscriber() -> None:
