@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import socket
 import time
@@ -45,6 +46,7 @@ from hicache.service.validation import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger("hicache.service")
 Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 DEFAULT_EVENT_QUEUE = 4096
 MAX_EVENT_QUEUE = 1 << 20
@@ -81,6 +83,13 @@ def unary(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
+        except Exception as e:  # a bug, not a bad request: say so, and log it with its traceback
+            if isinstance(e, grpc.aio.AbortError):
+                raise
+            log.exception("%s failed", name)
+            code = "INTERNAL"
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+            raise  # pragma: no cover - abort raises
         finally:
             self._done(name, code, t0)
 
@@ -108,6 +117,12 @@ def streaming(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterato
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
+        except Exception as e:  # a bug, not a bad request: say so, and log it with its traceback
+            if isinstance(e, grpc.aio.AbortError):
+                raise
+            log.exception("%s failed", name)
+            code = "INTERNAL"
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
         finally:
             self._done(name, code, t0)
 
@@ -464,7 +479,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 yield pb.PageChunk(first_page=lo, num_pages=len(chunk), page_keys=req.keys[lo: lo + len(chunk)],
                                    data=data, total_pages=total)
         finally:
-            await asyncio.to_thread(self.cache.release, req)
+            self.cache.release(req)  # quick; runs even when the peer went away mid-stream
 
     @unary
     async def WritePages(self, request_iterator: AsyncIterator[pb.WritePagesChunk],
