@@ -244,7 +244,7 @@ def test_default_nodes_run_on_gpu_nodes_with_gpu_resources(rendered: dict[str, R
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     res = container(ds)["resources"]
     assert res["limits"]["nvidia.com/gpu"] == 1 and res["requests"]["nvidia.com/gpu"] == 1
-    assert res["requests"]["memory"] == "24Gi" and res["limits"]["memory"] == "32Gi"
+    assert res["requests"]["memory"] == "36Gi" and res["limits"]["memory"] == "40Gi"
     assert container(ds)["image"].endswith(":0.1.0-cuda")
     assert container(r.component("router"))["image"].endswith(":0.1.0")
     two = rendered["redis-cluster-auth-tls"]
@@ -563,3 +563,21 @@ def test_notes_render(rendered: dict[str, Rendered]) -> None:
     assert "rollout restart" in rendered["default"].notes
     assert "none (L1 + L2 only)" in rendered["cpu-no-router-no-l3"].notes
 
+
+
+def test_shm_holds_the_cpu_l1_pool(rendered: dict[str, Rendered]) -> None:
+    """On CPU nodes the shared L1 pool is a /dev/shm segment: the emptyDir is sized from the layout."""
+    def shm(r: Rendered) -> dict[str, Any]:
+        return next(v for v in pod_spec(r.component("node"))["volumes"] if v["name"] == "dshm")
+
+    for case in ("cpu-statefulset", "cpu-no-router-no-l3"):
+        r = rendered[case]
+        cfg = config_from_dict(r.config_data())
+        pool = cfg.l1_pages * cfg.layout.to_layout().bytes_per_page
+        size = shm(r)["emptyDir"]["sizeLimit"]
+        assert size.endswith("Mi") and int(size[:-2]) << 20 == (pool + (1 << 30) + (1 << 20) - 1) >> 20 << 20
+    assert shm(rendered["default"])["emptyDir"] == {"medium": "Memory", "sizeLimit": "1024Mi"}
+    assert shm(render({"node": {"shm": {"hostPath": "/dev/shm"}}}))["hostPath"] == {"path": "/dev/shm",
+                                                                                     "type": "Directory"}
+    mounts = {m["name"]: m["mountPath"] for m in node_container(rendered["default"])["volumeMounts"]}
+    assert mounts["dshm"] == "/dev/shm"

@@ -185,6 +185,25 @@ app.kubernetes.io/component: {{ .component }}
 {{- toYaml $c }}
 {{- end }}
 
+{{/* Bytes of the L1 pool: l1 pages x (page_size x heads x head_dim x dtype bytes x K/V x layers). */}}
+{{- define "hicache.l1Bytes" -}}
+{{- $l := .Values.config.layout }}
+{{- $size := dict "bfloat16" 2 "float16" 2 "float32" 4 "float8_e4m3fn" 1 "float8_e5m2" 1 "int8" 1 "uint8" 1 }}
+{{- $kv := ternary 1 2 (eq $l.attention "mla") }}
+{{- $pages := div (int .Values.config.cache.l1_tokens) (int $l.page_size) }}
+{{- mul $pages (int $l.page_size) (int $l.num_kv_heads) (int $l.head_dim) (int (index $size $l.dtype)) $kv (int $l.num_layers) }}
+{{- end }}
+
+{{/* /dev/shm size: given, else the CPU L1 pool (it lives there when shared) + 1 GiB, or 1 GiB on GPU nodes. */}}
+{{- define "hicache.shmSize" -}}
+{{- if .Values.node.shm.sizeLimit }}{{ .Values.node.shm.sizeLimit }}
+{{- else }}
+{{- $gib := 1073741824 }}
+{{- $pool := ternary 0 (int64 (include "hicache.l1Bytes" .)) .Values.node.gpu.enabled }}
+{{- printf "%dMi" (div (add $pool $gib 1048575) 1048576) }}
+{{- end }}
+{{- end }}
+
 {{/* Checks across values that the schema cannot express; fails the render with a message naming the values. */}}
 {{- define "hicache.validate" -}}
 {{- if and .Values.redis.enabled (or .Values.externalStorage.url .Values.externalStorage.existingSecret) }}

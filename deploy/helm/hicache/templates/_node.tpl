@@ -134,9 +134,15 @@ spec:
     - name: tmp
       emptyDir: {}
     - name: dshm
+      {{- if $n.shm.hostPath }}
+      hostPath:
+        path: {{ $n.shm.hostPath }}
+        type: Directory
+      {{- else }}
       emptyDir:
         medium: Memory
-        sizeLimit: {{ $n.shmSizeLimit }}
+        sizeLimit: {{ include "hicache.shmSize" . }}
+      {{- end }}
     {{- if .Values.tls.enabled }}
     - name: tls
       secret:
