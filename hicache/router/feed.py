@@ -88,7 +88,7 @@ class NodeFeed:
                 self.router.record(name, code, why)
                 self.router.disconnected(name, why)
                 synced = False
-                log.warning("node %s: event stream: %s", name, why)
+                log.warning("node %s: event stream: %s", name, why, exc_info=not isinstance(e, grpc.aio.AioRpcError))
             self.reconnects += 1
             backoff = RECONNECT_BASE_S if synced else min(self.rc.reconnect_max_s, backoff * 2)
             await asyncio.sleep(backoff)
@@ -118,7 +118,7 @@ class NodeFeed:
         while True:
             try:
                 stats = await self.client.stats(timeout_s=max(1.0, self.rc.stats_interval_s))
-            except grpc.aio.AioRpcError as e:
+            except Exception as e:  # a poll that fails in any way must not end the loop
                 code, why = _describe(e)
                 self.router.record(name, code, why)
                 failed += 1
