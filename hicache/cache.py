@@ -72,7 +72,7 @@ class Request:
 
     @property
     def num_pages(self) -> int:
-        return len(self.keys)
+        return len(self.token_bytes) // (self.ns.page_size * 4)
 
     @property
     def hit_pages(self) -> int:
@@ -276,18 +276,21 @@ class HiCache:
 
     # ------------------------------------------------------------------ request API
     def match(self, tokens: Sequence[int] | np.ndarray, ns: Namespace | None = None, *,
-              l3: bool = True) -> Request:
+              l3: bool = True, keys: bool = True) -> Request:
         """Longest cached prefix of ``tokens``: pages on L1, continued on L2, continued on L3.
 
         Locks the L1 prefix and pins the L2 run until :meth:`release`. ``l3=False`` skips the store.
-        Only full pages are matched; a trailing partial page is never cached.
+        Only full pages are matched; a trailing partial page is never cached. ``keys=False`` skips
+        hashing the page keys when the store is not asked (``Request.keys`` stays empty; :meth:`commit`
+        computes them when it needs them) -- the cheap path for lookups that only want hit lengths.
         """
         t0 = time.perf_counter()
         ns = ns or self.ns
         self._check_ns(ns)
         tb = tokens_to_bytes(tokens)
         tb = tb[: len(tb) - len(tb) % (self.page_size * 4)]
-        keys = page_keys_from_bytes(ns.digest, tb, self.page_size)
+        need_keys = keys or (l3 and self.storage is not None)
+        pkeys = page_keys_from_bytes(ns.digest, tb, self.page_size) if need_keys else []
         with self._lock:
             self._reap()
             m = self.tree.match(ns.digest, tb)
@@ -301,14 +304,14 @@ class HiCache:
                         self._backup(node, wait=False)
                     node = node.parent
             self._update_gauges()
-        req = Request(ns, tb, keys, m.l1_pages, m.l2_pages, 0, m.device_indices, m.l1_node, pin,
+        req = Request(ns, tb, pkeys, m.l1_pages, m.l2_pages, 0, m.device_indices, m.l1_node, pin,
                       list(m.host_nodes), list(m.pending))
         done = req.l1_pages + req.l2_pages
-        if l3 and self.storage is not None and done < len(keys):
-            req.l3_pages = self.storage.batch_exists(keys[done:])
+        if l3 and self.storage is not None and done < len(pkeys):
+            req.l3_pages = self.storage.batch_exists(pkeys[done:])
         mt = self.metrics
         mt.lookups.inc()
-        mt.lookup_tokens.inc(len(keys) * self.page_size)
+        mt.lookup_tokens.inc(req.num_pages * self.page_size)
         mt.hit_tokens.labels("l1").inc(req.l1_pages * self.page_size)
         mt.hit_tokens.labels("l2").inc(req.l2_pages * self.page_size)
         mt.hit_tokens.labels("l3").inc(req.l3_pages * self.page_size)
