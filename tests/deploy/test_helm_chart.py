@@ -54,7 +54,8 @@ CASES: dict[str, dict[str, Any]] = {
                          "externalStorage": {"existingSecret": "ops-store", "existingSecretKey": "url"}},
     "mla-write-back": {"config": {"layout": {"attention": "mla", "num_kv_heads": 1, "head_dim": 576},
                                   "cache": {"write_policy": "write_back", "eviction_policy": "lru"},
-                                  "storage": {"prefetch_policy": "best_effort", "options": {"ttl_s": 3600}},
+                                  "storage": {"prefetch_policy": "best_effort", "options": {"ttl_s": 3600},
+                                              "prefetch_max_inflight_bytes": 16 << 30},  # > 2**32: no float form
                                   "model": {"name": "deepseek-v3", "revision": "abc123", "tp_size": 8}}},
 }
 EXTERNAL_SECRETS = {("ops-auth", "token"): "ops-token", ("ops-store", "url"): "file:///mnt/l3"}
