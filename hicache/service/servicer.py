@@ -252,17 +252,17 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 raise invalid("peek: opens no request, so request_id and load must be unset")
             tokens = np.frombuffer(tb, dtype="<u4")
             if l3:
-                req = await asyncio.to_thread(self._peek, tokens, ns, l3)
+                req = await asyncio.to_thread(self._peek, tokens, ns, l3, request.return_keys)
             else:
-                req = self._peek(tokens, ns, False)
+                req = self._peek(tokens, ns, False, request.return_keys)
             return self._match_response(req, "", request.return_keys)
         rid = request.request_id or uuid.uuid4().hex
         entry = self.table.reserve(rid)
         try:
             if l3 or request.load:
-                req = await asyncio.to_thread(self._open, entry, tb, ns, l3, request.load)
+                req = await asyncio.to_thread(self._open, entry, tb, ns, l3, request.load, request.return_keys)
             else:
-                req = self._open(entry, tb, ns, False, False)
+                req = self._open(entry, tb, ns, False, False, request.return_keys)
         except asyncio.CancelledError:
             raise  # the worker still opens the request under `rid` (released by Release or expiry)
         except BaseException:
@@ -270,13 +270,15 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             raise
         return self._match_response(req, rid, request.return_keys)
 
-    def _peek(self, tokens: np.ndarray, ns: Any, l3: bool) -> Request:
-        req = self.cache.match(tokens, ns, l3=l3)
+    def _peek(self, tokens: np.ndarray, ns: Any, l3: bool, keys: bool) -> Request:
+        req = self.cache.match(tokens, ns, l3=l3, keys=keys)
         self.cache.release(req)
         return req
 
-    def _open(self, entry: Entry, tb: bytes, ns: Any, l3: bool, load: bool) -> Request:
-        req = self.cache.match(np.frombuffer(tb, dtype="<u4"), ns, l3=l3)
+    def _open(self, entry: Entry, tb: bytes, ns: Any, l3: bool, load: bool, keys: bool) -> Request:
+        # Page keys are hashed here only when the store is asked or the caller wants them; otherwise
+        # commit hashes them (once) when the request's pages enter the tree.
+        req = self.cache.match(np.frombuffer(tb, dtype="<u4"), ns, l3=l3, keys=keys)
         if load:
             try:
                 self._load(req)
@@ -516,7 +518,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def _write_pages(self, tb: bytes, ns: Any, first: int, data: bytes) -> pb.CommitResponse:
         cache = self.cache
         tokens = np.frombuffer(tb, dtype="<u4")
-        req = cache.match(tokens, ns, l3=False)
+        req = cache.match(tokens, ns, l3=False, keys=False)
         try:
             have = len(self._load(req).device_indices)
             if have < first:
