@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from typing import Any
 from urllib.parse import urlparse
 
@@ -406,7 +407,7 @@ def test_router_discovers_daemonset_nodes_at_start(rendered: dict[str, Rendered]
     fake = tmp_path / "hicache"
     fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
     fake.chmod(0o755)
-    out = subprocess.run(["python3", "-c", script, "localhost", port, *rest], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", script, "localhost", port, *rest], capture_output=True, text=True,
                          timeout=30, env={"PATH": f"{tmp_path}:/usr/bin:/bin"}, check=True).stdout.split("\n")
     assert out[:len(rest)] == rest
     assert "--node=127.0.0.1=127.0.0.1:50051" in out
