@@ -116,12 +116,14 @@ def simulate(policy: str, reqs: list[tuple[float, str, np.ndarray]], a: argparse
     })
     names = [f"node{i}" for i in range(a.nodes)]
     rc = RouterConfig(nodes=[NodeSpec(n, f"sim:{i + 1}") for i, n in enumerate(names)], policy=policy,
-                      route_ttl_s=1e9, load_weight=a.load_weight, balance_abs_threshold=a.balance_abs)
+                      route_ttl_s=1e9, load_weight=a.load_weight, balance_abs_threshold=a.balance_abs,
+                      min_prefix_score=a.min_prefix_score)
     router = Router(cfg, rc)
     nodes = {n: SimNode(n, cfg, router) for n in names}
     busy = dict.fromkeys(names, 0.0)
     finishing: list[tuple[float, str]] = []
     per_node = dict.fromkeys(names, 0)
+    reasons: dict[str, int] = {}
     prompt = hit1 = hit2 = exact = 0
     ttft: list[float] = []
     t_route = 0.0
@@ -142,6 +144,7 @@ def simulate(policy: str, reqs: list[tuple[float, str, np.ndarray]], a: argparse
         heapq.heappush(finishing, (start + service, d.route_id))
         ttft.append(start + service - now)
         per_node[d.node] += 1
+        reasons[d.reason] = reasons.get(d.reason, 0) + 1
         prompt += len(toks) // ps * ps
         hit1 += l1 * ps
         hit2 += l2 * ps
@@ -156,6 +159,7 @@ def simulate(policy: str, reqs: list[tuple[float, str, np.ndarray]], a: argparse
         "hit_rate_l1": hit1 / prompt,
         "hit_rate_l2": hit2 / prompt,
         "requests_per_node": per_node,
+        "reasons": reasons,
         "balance_max_over_mean": max(counts) / statistics.mean(counts),
         "ttft_mean_s": statistics.mean(ttft),
         "ttft_p50_s": ttft[len(ttft) // 2],
@@ -186,6 +190,7 @@ def main() -> None:
     ap.add_argument("--overhead-s", type=float, default=0.002, help="per request")
     ap.add_argument("--load-weight", type=float, default=0.1)
     ap.add_argument("--balance-abs", type=float, default=8.0)
+    ap.add_argument("--min-prefix-score", type=float, default=0.2)
     ap.add_argument("--policies", default="round_robin,least_load,cache_aware")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="out/router_hit_rate.json")

@@ -25,6 +25,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "metrics_port": ("router", "metrics_port"),
     "policy": ("router", "policy"),
     "load_weight": ("router", "load_weight"),
+    "min_prefix_score": ("router", "min_prefix_score"),
     "balance_abs_threshold": ("router", "balance_abs_threshold"),
     "balance_rel_threshold": ("router", "balance_rel_threshold"),
     "route_ttl_s": ("router", "route_ttl_s"),
@@ -49,6 +50,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: off)")
     g.add_argument("--policy", choices=policy_names())
     g.add_argument("--load-weight", type=float, help="cost of one queued request, in full prefills")
+    g.add_argument("--min-prefix-score", type=float, help="prefixes under this share of the request count as none")
     g.add_argument("--balance-abs-threshold", type=float, help="hot spot: load above the least loaded by this")
     g.add_argument("--balance-rel-threshold", type=float, help="... and above this times the least loaded")
     g.add_argument("--route-ttl-s", type=float, help="routes not completed by then stop counting as load")

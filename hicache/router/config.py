@@ -62,6 +62,7 @@ class RouterConfig:
     policy: str = "cache_aware"
     load_weight: float = 0.1  # cost of one queued request, in full prefills
     l2_weight: float = 0.9  # an L2 page's worth relative to an L1 page
+    min_prefix_score: float = 0.2  # a prefix under this share of the request counts as none
     balance_abs_threshold: float = 8.0  # hot-spot protection (see hicache.router.scoring)
     balance_rel_threshold: float = 1.5
     route_ttl_s: float = 120.0  # a route not completed by then stops counting as load
@@ -111,7 +112,7 @@ class RouterConfig:
 
     @property
     def scoring(self) -> ScoringParams:
-        return ScoringParams(self.load_weight, self.l2_weight, self.balance_abs_threshold,
+        return ScoringParams(self.load_weight, self.l2_weight, self.min_prefix_score, self.balance_abs_threshold,
                              self.balance_rel_threshold)
 
 

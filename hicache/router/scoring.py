@@ -8,6 +8,9 @@ namespace agreeing) and returns a :class:`Decision` with a :class:`Score` per ca
 ``prefix_score = (l1_pages + l2_weight * l2_pages) / num_pages`` is the share of the request the node
 need not recompute and ``load = max(in_flight, queue_depth)``: one queued request is worth
 ``load_weight`` of a full prefill (0.1: a full hit wins until its node has 10 more requests in flight).
+A prefix below ``min_prefix_score`` of the request counts as none (SGLang's cache threshold): a shared
+system prompt alone must not pull every new document set of a tenant onto the node that has it; such
+requests go by load, which spreads new prefixes over the cluster.
 Hot-spot protection: when the chosen node's load exceeds the least loaded candidate's by at least
 ``balance_abs_threshold`` *and* is above ``balance_rel_threshold`` times it, the choice is restricted
 to candidates within ``balance_abs_threshold`` of the least loaded (the best cost among them wins, so
@@ -32,6 +35,7 @@ EPS = 1e-9
 class ScoringParams:
     load_weight: float = 0.1  # cost of one queued request, in full prefills
     l2_weight: float = 0.9  # an L2 page's worth relative to an L1 page (it must be loaded first)
+    min_prefix_score: float = 0.2  # shorter prefixes (share of the request) count as no prefix
     balance_abs_threshold: float = 8.0  # hot spot: best load - min load >= this ...
     balance_rel_threshold: float = 1.5  # ... and best load > this * min load
 
@@ -40,6 +44,8 @@ class ScoringParams:
             raise ValueError(f"load_weight: must be >= 0, got {self.load_weight}")
         if not 0 <= self.l2_weight <= 1:
             raise ValueError(f"l2_weight: must be in [0, 1], got {self.l2_weight}")
+        if not 0 <= self.min_prefix_score <= 1:
+            raise ValueError(f"min_prefix_score: must be in [0, 1], got {self.min_prefix_score}")
         if self.balance_abs_threshold <= 0:
             raise ValueError(f"balance_abs_threshold: must be > 0, got {self.balance_abs_threshold}")
         if self.balance_rel_threshold < 1:
@@ -130,14 +136,15 @@ class CacheAware(RoutingPolicy):
         p = self.params
         prefix = [self.prefix_score(c, num_pages) for c in candidates]
         loads = [c.load for c in candidates]
-        costs = [(1.0 - s) + p.load_weight * ld for s, ld in zip(prefix, loads, strict=True)]
+        useful = [s if s >= p.min_prefix_score else 0.0 for s in prefix]
+        costs = [(1.0 - s) + p.load_weight * ld for s, ld in zip(useful, loads, strict=True)]
         scores = [Score(c.node, s, ld, cost) for c, s, ld, cost in zip(candidates, prefix, loads, costs, strict=True)]
         best = self.pick(costs)
         low = min(loads)
         if loads[best] - low >= p.balance_abs_threshold and loads[best] > p.balance_rel_threshold * low:
             near = [i for i, ld in enumerate(loads) if ld - low < p.balance_abs_threshold]
             return Decision(self.pick(costs, near), "hot_spot", scores)
-        return Decision(best, "prefix" if prefix[best] > 0 else "balance", scores)
+        return Decision(best, "prefix" if useful[best] > 0 else "balance", scores)
 
 
 @register_policy("round_robin")

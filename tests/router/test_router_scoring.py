@@ -47,6 +47,17 @@ def test_cache_aware_trades_prefix_for_load() -> None:
     assert p.choose([cand("a", 5, in_flight=4, queue=4), cand("b")], 10).chosen == 0
 
 
+def test_a_short_shared_prefix_does_not_pull_new_work() -> None:
+    """A tenant's system prompt (10% of the request) alone: go by load, so new document sets spread."""
+    p = create_policy("cache_aware", ScoringParams(min_prefix_score=0.2))
+    d = p.choose([cand("a", 1, in_flight=1), cand("b")], 10)
+    assert (d.chosen, d.reason) == (1, "balance")
+    assert d.scores[0].prefix_score == 0.1  # still reported
+    assert p.choose([cand("a", 2, in_flight=1), cand("b")], 10).chosen == 0  # 20% counts
+    no_thr = create_policy("cache_aware", ScoringParams(min_prefix_score=0.0))
+    assert no_thr.choose([cand("a", 1, in_flight=0), cand("b")], 10).chosen == 0
+
+
 def test_hot_spot_spreads_a_popular_prefix() -> None:
     p = create_policy("cache_aware", ScoringParams(load_weight=0.01, balance_abs_threshold=4,
                                                    balance_rel_threshold=1.5))
