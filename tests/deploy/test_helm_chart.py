@@ -158,7 +158,9 @@ def test_schema_config_properties_match_hicache_config() -> None:
     assert set(props) == set(_SECTIONS)
     for section, cls in _SECTIONS.items():
         fields = {f.name for f in dataclasses.fields(cls)} - owned.get(section, set())
-        assert set(props[section]["properties"]) == fields, section
+        got = set(props[section]["properties"])
+        assert got == fields, (f"hicache.config.{cls.__name__} and the chart disagree: add {sorted(fields - got)} to / "
+                               f"drop {sorted(got - fields)} from config.{section} in values.schema.json")
         assert props[section]["additionalProperties"] is False
 
 
@@ -410,7 +412,12 @@ def test_router_discovers_daemonset_nodes_at_start(rendered: dict[str, Rendered]
     out = subprocess.run([sys.executable, "-c", script, "localhost", port, *rest], capture_output=True, text=True,
                          timeout=30, env={"PATH": f"{tmp_path}:/usr/bin:/bin"}, check=True).stdout.split("\n")
     assert out[:len(rest)] == rest
-    assert "--node=127.0.0.1=127.0.0.1:50051" in out
+    assert "--node=node-127-0-0-1=127.0.0.1:50051" in out
+    from hicache.router.config import parse_node
+
+    for flag in out[len(rest):]:
+        if flag:  # every resolved address (IPv6 too) is a node the router accepts
+            parse_node(flag.removeprefix("--node="))
 
 
 def router_config(r: Rendered, tmp_path: Any, argv: list[str] | None = None,
@@ -483,7 +490,9 @@ def test_router_values_match_router_defaults() -> None:
              "node_client_key", "tls_cert", "tls_key", "tls_client_ca"}
     schema = json.loads((CHART / "values.schema.json").read_text())
     props = schema["properties"]["router"]["properties"]["config"]["properties"]
-    assert set(props) == set(defaults) - owned
+    want = set(defaults) - owned
+    assert set(props) == want, (f"RouterConfig and the chart disagree: add {sorted(want - set(props))} to / drop "
+                                f"{sorted(set(props) - want)} from router.config in values.yaml and values.schema.json")
     assert set(values) == set(props)
 
 

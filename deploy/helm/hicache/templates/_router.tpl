@@ -50,7 +50,10 @@ args:
             break
         print(f"waiting for node pods behind {host}", flush=True)
         time.sleep(5)
-    flags = [f"--node={ip}={ip}:{port}" for ip in ips]
+    def flag(ip):
+        name = "node-" + ip.replace(".", "-").replace(":", "-")
+        return f"--node={name}=[{ip}]:{port}" if ":" in ip else f"--node={name}={ip}:{port}"
+    flags = [flag(ip) for ip in ips]
     os.execvp("hicache", ["hicache", *sys.argv[3:], *flags])
   - {{ printf "%s.%s.svc" (include "hicache.node.headless" .) .Release.Namespace | quote }}
   - {{ .Values.node.port | quote }}
