@@ -571,6 +571,7 @@ def test_cross_field_checks_fail_the_render(values: dict[str, Any], message: str
 def test_notes_render(rendered: dict[str, Rendered]) -> None:
     notes = rendered["redis-cluster-auth-tls"].notes
     assert "Redis Cluster (3 masters)" in notes and "base64 -d" in notes
+    assert "requires client" in notes and "the node pod IPs" in notes
     assert "rollout restart" in rendered["default"].notes
     assert "none (L1 + L2 only)" in rendered["cpu-no-router-no-l3"].notes
 
