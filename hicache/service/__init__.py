@@ -3,7 +3,9 @@
 * :mod:`.server`       -- builds and runs the grpc.aio server (uvloop, TLS/mTLS, auth, health, reflection,
   bounded concurrency, graceful SIGTERM with an L3 flush).
 * :mod:`.servicer`     -- the RPC handlers over one :class:`hicache.cache.HiCache`.
+* :mod:`.rpc`          -- status mapping, the concurrency bound and timing around every handler.
 * :mod:`.validation`   -- request checks: every rejected call is refused before the cache is touched.
+* :mod:`.pages`        -- L1 pages <-> canonical page bytes for peers on other hosts.
 * :mod:`.requests`     -- open requests by client-chosen id (ownership of locks and pages, idle expiry).
 * :mod:`.events`       -- the event hub behind WatchEvents (gap-free sequence numbers, snapshots).
 * :mod:`.shared_pool`  -- the L1 pool in shared memory (CPU) or CUDA IPC-exportable memory (GPU).
