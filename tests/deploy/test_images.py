@@ -5,8 +5,13 @@ ports hicache listens on by default."""
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -91,3 +96,62 @@ def test_cuda_image_installs_the_gpu_extra() -> None:
 def test_entrypoint_is_the_console_script() -> None:
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["hicache"] == "hicache.cli:main"
+
+
+def build_context(dockerfile: Path, dest: Path) -> None:
+    """Copy what `docker build -f <dockerfile> .` sends (the .dockerignore allowlist) to ``dest``; links stay links."""
+    ignore = dockerfile.with_name(dockerfile.name + ".dockerignore")
+    for root, dirs, files in os.walk(REPO):
+        rel_root = Path(root).relative_to(REPO)
+        for name in [*dirs, *files]:
+            rel = rel_root / name
+            src = REPO / rel
+            if name in dirs and not src.is_symlink():
+                continue
+            if not context_includes(str(rel), ignore):
+                continue
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_symlink():
+                target.symlink_to(os.readlink(src))
+            else:
+                shutil.copy2(src, target)
+        dirs[:] = [d for d in dirs if not (Path(root) / d).is_symlink() and d != ".git"]
+
+
+@pytest.mark.parametrize("kind", sorted(DOCKERFILES))
+def test_package_builds_from_the_image_context(kind: str, tmp_path: Path) -> None:
+    """`pip install .` in the image builds from the copied files only: the wheel must hold every module and
+    the CUDA kernel sources (hicache/kernels is a link to the top-level kernels/)."""
+    pytest.importorskip("setuptools")
+    pytest.importorskip("wheel")
+    ctx = tmp_path / "ctx"
+    build_context(DOCKERFILES[kind], ctx)
+    src = tmp_path / "src"  # the build stage's WORKDIR after its COPY lines
+    src.mkdir()
+    for op, args in instructions(DOCKERFILES[kind]):
+        if op != "COPY" or "--from=" in args:
+            continue
+        *sources, dest = [t for t in args.split() if not t.startswith("--")]
+        if dest.startswith("/"):  # into the final image, not the build
+            continue
+        for name in sources:
+            p = ctx / name
+            assert p.exists(), f"COPY {name}: missing from the build context"
+            target = src / dest / p.name if dest.endswith("/") else src / dest
+            if p.is_dir():
+                shutil.copytree(p, target, symlinks=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(p, target)
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                          "--no-index", "-w", str(tmp_path / "dist"), str(src)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (whl,) = (tmp_path / "dist").glob("hicache-*.whl")
+    names = set(zipfile.ZipFile(whl).namelist())
+    want = {str(p.relative_to(REPO)) for p in (REPO / "hicache").rglob("*.py") if "__pycache__" not in p.parts}
+    assert want <= names, sorted(want - names)[:5]
+    kernels = {f"hicache/kernels/{p.name}" for p in (REPO / "kernels").glob("*.cu")}
+    assert kernels and kernels <= names
+    assert "hicache/py.typed" in names
