@@ -160,8 +160,19 @@ def test_schema_config_properties_match_hicache_config() -> None:
         fields = {f.name for f in dataclasses.fields(cls)} - owned.get(section, set())
         got = set(props[section]["properties"])
         assert got == fields, (f"hicache.config.{cls.__name__} and the chart disagree: add {sorted(fields - got)} to / "
-                               f"drop {sorted(got - fields)} from config.{section} in values.schema.json")
+                               f"drop {sorted(got - fields)} from config.{section} in deploy/helm/values_schema.py")
         assert props[section]["additionalProperties"] is False
+
+
+def test_committed_schema_is_the_generated_one() -> None:
+    """values.schema.json is written by deploy/helm/values_schema.py from hicache's definitions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("values_schema", CHART.parent / "values_schema.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert (CHART / "values.schema.json").read_text() == mod.render(), "run python deploy/helm/values_schema.py"
 
 
 def test_l3_url_reaches_the_node_through_the_environment(rendered: dict[str, Rendered]) -> None:
@@ -492,7 +503,8 @@ def test_router_values_match_router_defaults() -> None:
     props = schema["properties"]["router"]["properties"]["config"]["properties"]
     want = set(defaults) - owned
     assert set(props) == want, (f"RouterConfig and the chart disagree: add {sorted(want - set(props))} to / drop "
-                                f"{sorted(set(props) - want)} from router.config in values.yaml and values.schema.json")
+                                f"{sorted(set(props) - want)} from router.config in values.yaml and "
+                                "deploy/helm/values_schema.py")
     assert set(values) == set(props)
 
 
