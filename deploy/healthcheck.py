@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Container health check: asks a hicache node (or router) ``grpc.health.v1.Health/Check``.
 
-    hicache-healthcheck [--addr HOST:PORT] [--service NAME] [--timeout S] [--tls-ca PEM]
+    hicache-healthcheck [--addr HOST:PORT] [--service NAME] [--timeout S]
+                        [--tls-ca PEM [--tls-name NAME] [--tls-cert PEM --tls-key PEM]]
 
 Exit status 0 when the answer is SERVING, 1 otherwise (NOT_SERVING, unreachable, timeout), so it fits
 Docker's ``HEALTHCHECK`` and Kubernetes ``exec`` probes. The address defaults to ``127.0.0.1`` and the
 port in ``HICACHE_SERVE__PORT`` (else 50051); the health service needs no bearer token. ``--tls-ca``
-speaks TLS and verifies the server certificate against that CA (``--tls-name`` overrides the name checked).
+speaks TLS and verifies the server certificate against that CA (``--tls-name`` overrides the name checked);
+``--tls-cert``/``--tls-key`` present a client certificate to a server that requires one (mTLS).
 """
 
 from __future__ import annotations
@@ -28,14 +30,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
     p.add_argument("--tls-ca", metavar="PEM", help="use TLS, trusting this CA")
     p.add_argument("--tls-name", help="server name to verify (default: the host in --addr)")
-    return p.parse_args(argv)
+    p.add_argument("--tls-cert", metavar="PEM", help="client certificate (mTLS)")
+    p.add_argument("--tls-key", metavar="PEM", help="client key (mTLS)")
+    args = p.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        p.error("--tls-cert and --tls-key go together")
+    if args.tls_cert and not args.tls_ca:
+        p.error("--tls-cert needs --tls-ca")
+    return args
 
 
 def check(addr: str, service: str = "", timeout: float = 3.0, tls_ca: str | None = None,
-          tls_name: str | None = None) -> str:
+          tls_name: str | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> str:
     """The serving status name (``SERVING``, ``NOT_SERVING``, ...) or ``UNREACHABLE: <reason>``."""
     if tls_ca:
-        creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+        pair = (Path(tls_key).read_bytes(), Path(tls_cert).read_bytes()) if tls_cert and tls_key else (None, None)
+        creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes(), private_key=pair[0],
+                                             certificate_chain=pair[1])
         options = [("grpc.ssl_target_name_override", tls_name)] if tls_name else []
         channel = grpc.secure_channel(addr, creds, options=options)
     else:
@@ -51,7 +62,7 @@ def check(addr: str, service: str = "", timeout: float = 3.0, tls_ca: str | None
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    status = check(args.addr, args.service, args.timeout, args.tls_ca, args.tls_name)
+    status = check(args.addr, args.service, args.timeout, args.tls_ca, args.tls_name, args.tls_cert, args.tls_key)
     print(f"{args.addr} {args.service or '(server)'}: {status}")
     return 0 if status == "SERVING" else 1
 

@@ -6,12 +6,14 @@ and the node container's environment (Secret values and ``$(VAR)`` expanded as t
 ``hicache route`` with router.yaml and the router container's arguments. Only addresses are rewritten
 (cluster DNS names -> 127.0.0.1, fixed ports -> free ones). The image's health check script must report
 SERVING for both, /metrics must answer, and pages committed through the node must land in that Redis.
+A second release with TLS and mTLS on checks the certificate paths the chart wires into node and router.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,9 +34,6 @@ pytest.importorskip("helm_python")
 from helm_render import REPO, Rendered, container, container_env, render
 
 from hicache.storage.redis_local import redis_server_binary
-
-pytestmark = [pytest.mark.redis,
-              pytest.mark.skipif(redis_server_binary() is None, reason="redis-server not installed")]
 
 PS = 16
 VALUES: dict[str, Any] = {
@@ -107,10 +106,61 @@ def base_env(extra: dict[str, str], home: Path) -> dict[str, str]:
     return env
 
 
-def healthcheck(addr: str, service: str = "") -> tuple[int, str]:
-    out = subprocess.run([sys.executable, str(HEALTHCHECK), "--addr", addr, "--service", service, "--timeout", "2"],
-                         capture_output=True, text=True, timeout=30)
+def healthcheck(addr: str, service: str = "", tls_dir: Path | None = None, client_cert: bool = True) -> tuple[int, str]:
+    """Runs the image's health check script (Docker HEALTHCHECK, or an exec probe) against ``addr``; with
+    ``tls_dir`` over TLS trusting its ca.crt and (``client_cert``) presenting its tls.crt/tls.key."""
+    tls = ["--tls-ca", str(tls_dir / "ca.crt")] if tls_dir else []
+    if tls_dir and client_cert:
+        tls += ["--tls-cert", str(tls_dir / "tls.crt"), "--tls-key", str(tls_dir / "tls.key")]
+    out = subprocess.run([sys.executable, str(HEALTHCHECK), "--addr", addr, "--service", service, "--timeout", "2",
+                          *tls], capture_output=True, text=True, timeout=30)
     return out.returncode, out.stdout + out.stderr
+
+
+def wait_healthy(addr: str, service: str, proc: Proc, tls_dir: Path | None = None, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        rc, out = healthcheck(addr, service, tls_dir)
+        if rc == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(out + proc.log())
+        time.sleep(0.2)
+
+
+def write_configs(release: Rendered, tmp: Path, tls_dir: Path | None = None) -> None:
+    """The ConfigMap's files, as mounted under /etc/hicache (TLS paths pointed at ``tls_dir``)."""
+    (cm,) = release.kinds("ConfigMap")
+    for name, text in cm["data"].items():
+        if tls_dir is not None:
+            text = text.replace("/etc/hicache/tls", str(tls_dir))
+        (tmp / name).write_text(text)
+
+
+def local_path(arg: str, tmp: Path) -> str:
+    return str(tmp / Path(arg).name) if arg.startswith("/etc/hicache/") else arg
+
+
+def start_node(release: Rendered, tmp: Path, env: dict[str, str]) -> tuple[Proc, str, int]:
+    """`hicache serve` with the node container's args and ``env``, on loopback; (proc, address, metrics port)."""
+    args = [local_path(a, tmp) for a in container(release.component("node"))["args"]]
+    metrics_port = free_port()
+    node = Proc([sys.executable, "-m", "hicache.cli", *args, "--host", "127.0.0.1", "--port", "0",
+                 "--metrics-port", str(metrics_port)], base_env(env, tmp), tmp)
+    line = node.wait_for("hicache serve: listening on")
+    return node, f"127.0.0.1:{int(line.split()[4].rsplit(':', 1)[1])}", metrics_port
+
+
+def start_router(release: Rendered, tmp: Path, node_addr: str) -> tuple[Proc, str]:
+    """`hicache route` with the router container's args and environment, its nodes pointed at ``node_addr``."""
+    rc = container(release.component("router"))
+    argv = [local_path(a, tmp) for a in [*rc.get("command", []), *rc["args"]]]
+    argv = [re.sub(r"^--node=([^=]+)=.*$", rf"--node=\1={node_addr}", a) for a in argv]
+    assert argv[0] == "route" and any(a.startswith("--node=") for a in argv)
+    router = Proc([sys.executable, "-m", "hicache.cli", *argv, "--host", "127.0.0.1", "--port", "0",
+                   "--metrics-port", "0"], base_env(container_env(release, rc), tmp), tmp)
+    line = router.wait_for("hicache route: listening on")
+    return router, f"127.0.0.1:{int(line.split()[4].rsplit(':', 1)[1])}"
 
 
 @pytest.fixture(scope="module")
@@ -147,35 +197,26 @@ def redis_proc(release: Rendered, tmp_path_factory: pytest.TempPathFactory) -> I
         p.stop()
 
 
+@pytest.mark.redis
+@pytest.mark.skipif(redis_server_binary() is None, reason="redis-server not installed")
 def test_release_runs(release: Rendered, redis_proc: tuple[Proc, int], tmp_path: Path) -> None:
     import redis
 
     from hicache.client import HiCacheClient
+    from hicache.service.server import SERVICE_NAME
 
     _, redis_port = redis_proc
     secrets = release.secret_data()
     token, password = secrets["auth-token"], secrets["redis-password"]
-    (cm,) = release.kinds("ConfigMap")
-    (tmp_path / "hicache.yaml").write_text(cm["data"]["hicache.yaml"])
-    (tmp_path / "router.yaml").write_text(cm["data"]["router.yaml"])
-
-    # --- the node, as its pod runs it -------------------------------------------------------------------
+    write_configs(release, tmp_path)
     nc = container(release.component("node"))
     env = container_env(release, nc)
     env["HICACHE_STORAGE__URL"] = re.sub(r"@[^/?]+", f"@127.0.0.1:{redis_port}", env["HICACHE_STORAGE__URL"])
     assert env["HICACHE_STORAGE__URL"] == f"redis://:{password}@127.0.0.1:{redis_port}"
-    args = [str(tmp_path / "hicache.yaml") if a == "/etc/hicache/hicache.yaml" else a for a in nc["args"]]
-    metrics_port = free_port()
-    node = Proc([sys.executable, "-m", "hicache.cli", *args, "--host", "127.0.0.1", "--port", "0",
-                 "--metrics-port", str(metrics_port)], base_env(env, tmp_path), tmp_path)
+    node, node_addr, metrics_port = start_node(release, tmp_path, env)
     router: Proc | None = None
     try:
-        line = node.wait_for("hicache serve: listening on")
-        node_addr = f"127.0.0.1:{int(line.split()[4].rsplit(':', 1)[1])}"
-
         # probes: what Docker's HEALTHCHECK and the readiness probe ask
-        from hicache.service.server import SERVICE_NAME
-
         readiness = nc["readinessProbe"]["grpc"]["service"]
         assert readiness == SERVICE_NAME
         for service in ("", readiness):
@@ -203,24 +244,10 @@ def test_release_runs(release: Rendered, redis_proc: tuple[Proc, int], tmp_path:
             bad.stats()
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
-        # --- the router, as its pod runs it -----------------------------------------------------------------
-        rcont = container(release.component("router"))
-        rargv = [*rcont.get("command", []), *rcont["args"]]
-        rargv = [str(tmp_path / "router.yaml") if a == "/etc/hicache/router.yaml" else a for a in rargv]
-        rargv = [re.sub(r"^--node=([^=]+)=.*$", rf"--node=\1={node_addr}", a) for a in rargv]
-        assert rargv[0] == "route" and any(a.startswith("--node=") for a in rargv)
-        router = Proc([sys.executable, "-m", "hicache.cli", *rargv, "--host", "127.0.0.1", "--port", "0",
-                       "--metrics-port", "0"], base_env(container_env(release, rcont), tmp_path), tmp_path)
-        rline = router.wait_for("hicache route: listening on")
-        router_addr = f"127.0.0.1:{int(rline.split()[4].rsplit(':', 1)[1])}"
-        ready_service = rcont["readinessProbe"]["grpc"]["service"]
-        deadline = time.monotonic() + 20
-        while True:  # the router is ready once it reached the node with the token from the Secret
-            rc, out = healthcheck(router_addr, ready_service)
-            if rc == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert rc == 0, out + router.log()
+        # the router is ready once it reached the node with the token from the Secret
+        router, router_addr = start_router(release, tmp_path, node_addr)
+        wait_healthy(router_addr, container(release.component("router"))["readinessProbe"]["grpc"]["service"],
+                     router)
         assert router.stop() == 0
         router = None
     finally:
@@ -228,10 +255,52 @@ def test_release_runs(release: Rendered, redis_proc: tuple[Proc, int], tmp_path:
             router.stop()
         node_rc = node.stop()
     assert node_rc == 0, node.log()
-    log = node.log()
-    assert "NOT written" not in log, log
+    assert "NOT written" not in node.log(), node.log()
     store = redis.Redis(port=redis_port, password=password, socket_timeout=2)
     try:
         assert store.dbsize() == committed
     finally:
         store.close()
+
+
+def make_certs(d: Path) -> None:
+    """A CA and one certificate for 127.0.0.1 usable as server and client (the chart reuses tls.crt for the
+    router's mTLS towards the nodes), laid out like a kubernetes.io/tls Secret: tls.crt, tls.key, ca.crt."""
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+            "-subj", "/CN=test-ca")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=node")
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                               "extendedKeyUsage=serverAuth,clientAuth\n")
+    openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+            "tls.crt", "-days", "2", "-extfile", "ext.cnf")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls_release_runs(tmp_path: Path) -> None:
+    """tls.enabled + mtls: the node serves TLS from the mounted Secret and requires client certificates; the
+    router reaches it with the paths the chart put in router.yaml (CA + client pair) and the token."""
+    release = render({**VALUES, "redis": {"enabled": False},
+                      "tls": {"enabled": True, "secretName": "node-tls", "mtls": True}})
+    tls_dir = tmp_path / "tls"
+    tls_dir.mkdir()
+    make_certs(tls_dir)
+    write_configs(release, tmp_path, tls_dir)
+    node, node_addr, _ = start_node(release, tmp_path, container_env(release, container(release.component("node"))))
+    router: Proc | None = None
+    try:
+        rc, out = healthcheck(node_addr)  # plaintext against a TLS port
+        assert rc == 1, out
+        rc, out = healthcheck(node_addr, tls_dir=tls_dir, client_cert=False)  # mTLS: no client certificate
+        assert rc == 1, out
+        wait_healthy(node_addr, "", node, tls_dir=tls_dir)
+        router, router_addr = start_router(release, tmp_path, node_addr)
+        wait_healthy(router_addr, "hicache.v1.Router", router)
+        assert router.stop() == 0
+        router = None
+    finally:
+        if router is not None:
+            router.stop()
+        assert node.stop() == 0, node.log()
