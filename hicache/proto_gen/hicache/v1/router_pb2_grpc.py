@@ -5,7 +5,7 @@ import warnings
 
 from hicache.proto_gen.hicache.v1 import router_pb2 as hicache_dot_v1_dot_router__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.64.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
