@@ -38,6 +38,19 @@ class Segment:
     pages: torch.Tensor  # int64 [n] L1 pages covering prefix + length tokens, in order (on the pool's device)
 
 
+PADDED_MAX_SUFFIX = 1024  # batches whose suffixes are all at most this long attend in one padded call
+PADDED_MAX_BIAS = 1 << 28  # ... if the additive mask stays below this many elements
+
+
+@dataclass
+class _Padded:
+    tables: torch.Tensor  # int64 [B, maxP]: each segment's pages, padded with page 0
+    rows: torch.Tensor  # int64 [T]: row b * nmax + i of each new token in the padded layout
+    bias: torch.Tensor  # [B, 1, rep * nmax, maxP * S] additive mask (0 / -inf), shared by all layers
+    nmax: int
+    rep: int
+
+
 @dataclass
 class Batch:
     tokens: torch.Tensor  # int64 [T]: new tokens of every segment, concatenated
@@ -208,6 +221,7 @@ class Decoder:
         lengths = [g.length for g in batch.segments]
         if batch.decode:
             dec_pages, dec_mask = self._decode_tables(batch, S)
+        padded = None if batch.decode else self._padded_tables(batch, S)
         for layer in range(s.num_layers):
             x = _rms_norm(h, self.w[f"model.layers.{layer}.input_layernorm.weight"], s.norm_eps)
             q, pieces = self._project(layer, x, cos, sin)
@@ -219,6 +233,8 @@ class Decoder:
             if batch.decode:
                 gathered = [pool[c][dec_pages].flatten(1, 2) for c in range(len(pieces))]  # [B, N, Hs, Ds]
                 o = self._decode_attend(layer, q, gathered, dec_mask)
+            elif padded is not None:
+                o = self._padded_attend(layer, q, pool, len(pieces), padded)
             else:
                 outs = []
                 off = 0
@@ -238,6 +254,55 @@ class Decoder:
             last = torch.tensor(lengths, device=h.device).cumsum(0) - 1
             h = h[last]
         return self._logits(h)
+
+    def _padded_tables(self, batch: Batch, S: int) -> _Padded | None:
+        """Tables for one attention call over many short suffixes (prefill of cached prompts), or None when
+        the per-segment loop is the better fit (one segment, long suffixes, or a too large bias)."""
+        segs = batch.segments
+        nmax = max(g.length for g in segs)
+        if len(segs) < 2 or nmax > PADDED_MAX_SUFFIX:
+            return None
+        lens = [g.prefix + g.length for g in segs]
+        max_pages = max(-(-n // S) for n in lens)
+        rep = 1 if self.shape.attention == "mla" else self.shape.num_q_heads // self.shape.num_kv_heads
+        if len(segs) * rep * nmax * max_pages * S > PADDED_MAX_BIAS:
+            return None
+        dev = self.device
+        tables = torch.zeros(len(segs), max_pages, dtype=torch.int64, device=dev)
+        rows = []
+        for b, g in enumerate(segs):
+            n = -(-lens[b] // S)
+            tables[b, :n] = g.pages[:n]
+            rows.append(torch.arange(b * nmax, b * nmax + g.length))
+        # query i of segment b sits at position prefix_b + i and sees keys 0..prefix_b + i (padding rows
+        # see a harmless non-empty range; their outputs are dropped)
+        prefix = torch.tensor([g.prefix for g in segs], device=dev)
+        qpos = prefix[:, None] + torch.arange(nmax, device=dev)[None, :]  # [B, nmax]
+        allowed = torch.arange(max_pages * S, device=dev)[None, None, :] <= qpos[:, :, None]  # [B, nmax, N]
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(~allowed, float("-inf"))
+        bias = bias[:, None].repeat(1, 1, rep, 1) if rep > 1 else bias[:, None]  # [B, 1, rep * nmax, N]
+        return _Padded(tables, torch.cat(rows).to(dev), bias, nmax, rep)
+
+    def _padded_attend(self, layer: int, q: torch.Tensor, pool: list[torch.Tensor], n_pieces: int,
+                       p: _Padded) -> torch.Tensor:
+        """All segments' suffixes in one SDPA call: q [T, Hq, qk] -> [T, Hq * dv]. GQA without copying
+        K/V per query head: the rep query heads of a KV head are stacked as rep * nmax query rows."""
+        B, nmax, rep = p.tables.shape[0], p.nmax, p.rep
+        _, Hq, qk = q.shape
+        gathered = [pool[c][p.tables].flatten(1, 2) for c in range(n_pieces)]  # [B, N, Hs, Ds]
+        qp = q.new_zeros(B * nmax, Hq, qk)
+        qp[p.rows] = q
+        if self.shape.attention == "mla":
+            k, v = self._expand(layer, gathered)  # [B, Hq, N, *]
+            o = F.scaled_dot_product_attention(qp.view(B, nmax, Hq, qk).transpose(1, 2), k, v, attn_mask=p.bias)
+            o = o.transpose(1, 2)  # [B, nmax, Hq, dv]
+        else:
+            hk = Hq // rep
+            qg = qp.view(B, nmax, hk, rep, qk).permute(0, 2, 3, 1, 4).reshape(B, hk, rep * nmax, qk)
+            k, v = gathered[0].transpose(1, 2), gathered[1].transpose(1, 2)  # [B, Hk, N, D]
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=p.bias)  # [B, Hk, rep * nmax, D]
+            o = o.view(B, hk, rep, nmax, -1).permute(0, 3, 1, 2, 4)  # [B, nmax, Hk, rep, D]
+        return o.reshape(B * nmax, -1)[p.rows]
 
     def _decode_attend(self, layer: int, q: torch.Tensor, gathered: list[torch.Tensor], mask: torch.Tensor
                        ) -> torch.Tensor:
