@@ -29,7 +29,7 @@ def page_digest(shared: AttachedPool, pages: np.ndarray) -> str:
     for p in pages.tolist():
         for layer in shared.pool.kv:
             for t in layer:
-                h.update(t[p].contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(t[p].contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -47,8 +47,10 @@ def main() -> None:
             g = torch.Generator().manual_seed(seed)
             for layer in shared.pool.kv:
                 for t in layer:  # the "forward pass": KV written straight into the shared L1 pages
-                    idx = torch.from_numpy(new)
-                    t[idx] = torch.randn((len(new), *t.shape[1:]), generator=g).to(t.dtype)
+                    idx = torch.from_numpy(new).to(t.device)
+                    t[idx] = torch.randn((len(new), *t.shape[1:]), generator=g).to(t.device, t.dtype)
+            if shared.pool.device.type == "cuda":
+                torch.cuda.synchronize()
             res = c.commit(rid, tokens, np.concatenate([m.device_indices, new]))
             pages = res.device_indices
             out["new_pages"] = res.new_pages

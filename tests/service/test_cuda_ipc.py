@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 
 from hicache.layout import KVLayout
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
+
+from .service_harness import ServerProc
 
 pytestmark = pytest.mark.cuda
 
@@ -53,3 +56,18 @@ def test_second_process_maps_the_pool_over_cuda_ipc(tmp_path: Path) -> None:
     assert torch.all(shared.pool.kv[0][1][5] == 7.0).item()
     assert torch.all(shared.pool.kv[0][1][4] == 0.0).item()
     shared.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_server_on_cuda_shares_pages_between_processes(server_factory: Callable[..., ServerProc]) -> None:
+    """The shared-pool end-to-end test with the L1 pool on the GPU: KV written by one process through CUDA
+    IPC is read back, identical, by another; gRPC carried only page indices."""
+    from .test_shared_pool import run_peer
+
+    srv = server_factory(cache={"device": "cuda"})
+    n = 16 * 20 + 5
+    w = run_peer("write", srv.target, 11, n)
+    r = run_peer("read", srv.target, 11, n)
+    assert w["new_pages"] == 20 and r["l1_pages"] == 20
+    assert r["digest"] == w["digest"] and r["pages"] == w["pages"]
+    assert int(r["match_reply_bytes"]) < int(r["page_bytes"])

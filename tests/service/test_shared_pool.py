@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,10 @@ PEER = Path(__file__).with_name("peer_process.py")
 
 
 def run_peer(role: str, target: str, seed: int, n: int) -> dict[str, object]:
-    env_path = str(REPO)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")}
+    env["PYTHONPATH"] = str(REPO)
     out = subprocess.run([sys.executable, str(PEER), role, target, str(seed), str(n)], capture_output=True,
-                         text=True, timeout=60, env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"}, check=False)
+                         text=True, timeout=120, env=env, check=False)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
