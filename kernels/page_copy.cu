@@ -37,6 +37,7 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 #define PAGE_COPY_UNROLL 8
+#define PAGE_COPY_MAX_THREADS 1024  // blocks of up to 1024 threads: registers capped to fit
 
 template <typename V>
 __device__ __forceinline__ void page_copy_impl(const u64* __restrict__ dev_ptrs, u64 host_base,
@@ -78,7 +79,8 @@ __device__ __forceinline__ void page_copy_impl(const u64* __restrict__ dev_ptrs,
 }
 
 #define DEFINE_PAGE_COPY(NAME, V)                                                                     \
-    extern "C" __global__ void NAME(const u64* __restrict__ dev_ptrs, u64 host_base,                 \
+    extern "C" __global__ void __launch_bounds__(PAGE_COPY_MAX_THREADS)                             \
+    NAME(const u64* __restrict__ dev_ptrs, u64 host_base,                                             \
                                     i64 host_page_stride, i64 host_lc_stride,                        \
                                     const i64* __restrict__ dev_idx, const i64* __restrict__ host_idx, \
                                     i64 n_pages, int lc_begin, int n_lc, i64 piece_vecs, int to_host) { \
@@ -117,7 +119,8 @@ __device__ __forceinline__ void page_load_layers_impl(const u64* __restrict__ de
 }
 
 #define DEFINE_PAGE_LOAD_LAYERS(NAME, V)                                                              \
-    extern "C" __global__ void NAME(const u64* __restrict__ dev_ptrs, u64 host_base,                 \
+    extern "C" __global__ void __launch_bounds__(PAGE_COPY_MAX_THREADS)                             \
+    NAME(const u64* __restrict__ dev_ptrs, u64 host_base,                                             \
                                     i64 host_page_stride, i64 host_lc_stride,                        \
                                     const i64* __restrict__ dev_idx, const i64* __restrict__ host_idx, \
                                     i64 n_pages, int n_layers, int kv_count, i64 piece_vecs,         \

@@ -108,6 +108,8 @@ class KernelCopier:
         self._module = _module(device_index)
         self._kernel = self._module.get_function(f"page_copy_{self.width}")
         self._layers_kernel = self._module.get_function(f"page_load_layers_{self.width}")
+        for k in (self._kernel, self._layers_kernel):  # never ask for more threads than the kernel can take
+            self.threads = min(self.threads, int(getattr(k, "max_threads_per_block", self.threads)))
         self._cupy = cupy
         self._dev_ptrs = torch.tensor(np.array(g.dev_ptrs, dtype=np.uint64).view(np.int64),
                                       device=f"cuda:{device_index}")
