@@ -283,7 +283,8 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
             alone_ms.append(t_alone * 1e3)
             gbps.append(m * s.bytes / (burst.start.elapsed_time(burst.end) / 1e3) / GB)
         eng.close()
-        row = {"direction": direction, "backend": backend, "blocks": kw.get("blocks", eng.kernel.blocks),
+        copier = eng.kernel if direction == "h2d" else eng.backup_kernel
+        row = {"direction": direction, "backend": backend, "blocks": kw.get("blocks", copier.blocks),
                "gemm_alone_ms": median(alone_ms), "gemm_slowdown": median(slow), "transfer_gbps": median(gbps),
                "transfer_ratio": median(gbps) / ceil[direction], "transfer_alone_gbps": alone_gbps,
                "transfer_alone_ratio": alone_gbps / ceil[direction]}
@@ -370,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pieces", type=int, nargs="+", default=list(PIECES_KIB), help="piece sizes in KiB")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--gemms", type=int, default=12, help="8192^3 GEMMs per slowdown sample")
-    p.add_argument("--blocks-sweep", type=int, nargs="+", default=[2, 1, 4, 8])
+    p.add_argument("--blocks-sweep", type=int, nargs="+", default=[4, 1, 2, 8])
     p.add_argument("--loop-cap", type=int, default=8192, help="most copies timed in the per-page loop")
     p.add_argument("--sections", nargs="+", default=["pieces", "gemm", "bidir", "overlap"])
     args = p.parse_args(argv)

@@ -36,8 +36,10 @@ Streams and ordering:
 I/O backends (``io_backend``):
 
 * ``kernel``: the gather/scatter kernels of ``kernels/page_copy.cu`` read and write pinned host memory
-  directly; grid capped at ``blocks`` x ``threads`` (default 2 x 1024, the smallest launch measured to
-  fill the link; more blocks only take SMs away from attention).
+  directly; grid capped at ``blocks`` x ``threads``. Default: 4 x 1024 for loads and 2 x 1024 for
+  backups, the smallest launches measured to fill the link each way on an H200 (reading host memory
+  needs more reads in flight than writing it); more blocks only take SMs away from attention.
+  ``blocks=N`` sets both.
 * ``copy_engine``: DMA copies, runs merged, ``cudaMemcpyBatchAsync`` where available; uses no SMs.
 * ``auto``: per transfer, the copy engine when its copies average at least ``ce_min_copy_bytes``
   (default 64 KiB: measured on H200/PCIe Gen5, the copy engine then runs at the link ceiling with
@@ -62,7 +64,13 @@ from hicache.pool import DevicePool, HostPool
 from hicache.transfer.base import TransferEngine, TransferHandle, register_engine
 from hicache.transfer.copy_engine import CopyPlan, CudaRuntime, plan_copies
 from hicache.transfer.cuda_driver import StreamWaiter
-from hicache.transfer.cuda_kernels import DEFAULT_BLOCKS, DEFAULT_THREADS, CopyGeometry, KernelCopier
+from hicache.transfer.cuda_kernels import (
+    DEFAULT_BACKUP_BLOCKS,
+    DEFAULT_LOAD_BLOCKS,
+    DEFAULT_THREADS,
+    CopyGeometry,
+    KernelCopier,
+)
 
 IoBackend = Literal["kernel", "copy_engine", "auto"]
 IO_BACKENDS = ("kernel", "copy_engine", "auto")
@@ -134,7 +142,7 @@ class CudaTransferEngine(TransferEngine):
     name = "cuda"
 
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, io_backend: str = "auto",
-                 blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS,
+                 blocks: int | None = None, threads: int = DEFAULT_THREADS,
                  ce_min_copy_bytes: int = 64 << 10, register_host: bool = True,
                  layer_signal: str = "auto") -> None:
         super().__init__(device_pool, host_pool)
@@ -176,7 +184,7 @@ class CudaTransferEngine(TransferEngine):
             raise
         self._closed = False
 
-    def _setup(self, cupy: Any, buf: torch.Tensor, io_backend: str, blocks: int, threads: int) -> None:
+    def _setup(self, cupy: Any, buf: torch.Tensor, io_backend: str, blocks: int | None, threads: int) -> None:
         layout, host_pool, device_pool = self.layout, self.host_pool, self.device_pool
         L, C = layout.num_layers, layout.kv_count
         piece = layout.bytes_per_layer_piece
@@ -193,7 +201,9 @@ class CudaTransferEngine(TransferEngine):
             host_base=host_base, host_page_stride=hps, host_lc_stride=hlcs, piece_bytes=piece, num_lc=L * C,
         )
         self._dev_ptrs_np = np.array(self.geometry.dev_ptrs, dtype=np.uint64)
-        self.kernel = KernelCopier(self.geometry, self.device_index, blocks, threads)
+        self.kernel = KernelCopier(self.geometry, self.device_index, blocks or DEFAULT_LOAD_BLOCKS, threads)
+        self.backup_kernel = KernelCopier(self.geometry, self.device_index, blocks or DEFAULT_BACKUP_BLOCKS,
+                                          threads)
         self._rt: CudaRuntime | None = None
         if io_backend != "kernel":
             self._rt = CudaRuntime.get()
@@ -316,7 +326,7 @@ class CudaTransferEngine(TransferEngine):
             if to_host:
                 # one launch (or one batch) for every layer; every layer is ready when it completes
                 if backend == "kernel":
-                    self.kernel.launch(sh, dptr, hptr, n, 0, L * C, to_host=True)
+                    self.backup_kernel.launch(sh, dptr, hptr, n, 0, L * C, to_host=True)
                 else:
                     assert self._rt is not None
                     self._rt.run(self.plan(dev_idx, host_idx, 0, L * C, True), sh)
