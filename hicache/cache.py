@@ -120,7 +120,11 @@ class HiCache:
         if device_pool is not None and device_pool.layout != self.layout:
             raise ValueError("device_pool: layout differs from the config's layout")
         self.device_pool = device_pool or DevicePool(self.layout, config.l1_pages, c.device)
-        self.host_pool = HostPool(self.layout, max(config.l2_pages, 1), c.host_layout)  # type: ignore[arg-type]
+        # On a GPU the CUDA transfer engine page-locks the host pool in place (cudaHostRegister) and
+        # unregisters it on close, so tens of GB are pinned once, without torch's caching allocator.
+        pin = False if (c.device.startswith("cuda") and c.io_backend != "cpu") else None
+        self.host_pool = HostPool(self.layout, max(config.l2_pages, 1), c.host_layout,  # type: ignore[arg-type]
+                                  pin_memory=pin)
         self.has_l2 = config.l2_pages > 0
         io = c.io_backend
         if io in ("kernel", "copy_engine"):

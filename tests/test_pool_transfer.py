@@ -58,7 +58,7 @@ def test_layout_bytes() -> None:
 
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("attention,heads", [("mha", 2), ("mla", 1)])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "float8_e4m3fn"])
 def test_cpu_transfer_round_trip(host_layout: str, attention: str, heads: int, dtype: str) -> None:
     layout = KVLayout(3, heads, 5, dtype, 3, attention)  # odd sizes on purpose
     dev = DevicePool(layout, 10)
@@ -68,7 +68,7 @@ def test_cpu_transfer_round_trip(host_layout: str, attention: str, heads: int, d
         g = torch.Generator().manual_seed(0)
         for layer in dev.kv:
             for t in layer:
-                t.copy_(torch.randint(0, 100, t.shape, generator=g).to(t.dtype))
+                t.view(torch.uint8).copy_(torch.randint(0, 100, t.view(torch.uint8).shape, generator=g).to(torch.uint8))
         src = np.array([7, 2, 9, 0])
         dst = np.array([11, 3, 5, 1])
         eng.backup(src, dst).wait()
@@ -82,7 +82,8 @@ def test_cpu_transfer_round_trip(host_layout: str, attention: str, heads: int, d
         for layer in range(3):
             h.wait_layer(layer)
             for c in range(layout.kv_count):
-                assert torch.equal(dev.kv[layer][c][torch.from_numpy(back)], dev.kv[layer][c][torch.from_numpy(src)])
+                b8 = dev.kv[layer][c].view(torch.uint8)
+                assert torch.equal(b8[torch.from_numpy(back)], b8[torch.from_numpy(src)])
         assert h.done()
     finally:
         eng.close()

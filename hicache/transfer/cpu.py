@@ -76,11 +76,13 @@ class CpuTransferEngine(TransferEngine):
             try:
                 for layer in range(L):
                     for c in range(C):
+                        # byte views: exact for every dtype (float8 has no CPU index_copy_)
+                        h_view = host.layer_view(layer, c).view(torch.uint8)
+                        d_view = dev.kv[layer][c].view(torch.uint8)
                         if to_device:
-                            src = host.layer_view(layer, c)[s].to(dev.device)
-                            dev.kv[layer][c].index_copy_(0, d.to(dev.device), src)
+                            d_view.index_copy_(0, d.to(dev.device), h_view[s].to(dev.device))
                         else:
-                            host.layer_view(layer, c)[d] = dev.kv[layer][c][s.to(dev.device)].cpu()
+                            h_view[d] = d_view[s.to(dev.device)].cpu()
                     handle._set_layer(layer)
             except BaseException as e:  # surfaced to the waiter
                 handle._fail(e)
