@@ -16,6 +16,8 @@ from .helpers import SEED, assert_matches_recompute
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 from service_harness import ServerProc, start_server
 
+pytest.importorskip("grpc_health", reason="the node service needs grpcio-health-checking")
+
 try:  # the generated gRPC code refuses to load with an older grpcio (RuntimeError, not ImportError)
     from hicache.client import HiCacheClient
     from hicache.engine.grpc_port import GrpcCachePort
