@@ -111,6 +111,7 @@ _LAZY: dict[str, str] = {
     "redis": "hicache.storage.redis_backend",
     "rediss": "hicache.storage.redis_backend",
     "redis+sentinel": "hicache.storage.redis_backend",
+    "rediss+sentinel": "hicache.storage.redis_backend",
     "redis+cluster": "hicache.storage.redis_backend",
     "rediss+cluster": "hicache.storage.redis_backend",
     "file": "hicache.storage.file_backend",

@@ -52,12 +52,12 @@ from hicache.storage.pageio import PageIO
 log = logging.getLogger(__name__)
 
 OK, MISS, CORRUPT, ERROR = 0, 1, 2, 3
-_OBJECT_STORES = ("s3", "gs", "gcs")
+_OBJECT_STORES = ("s3", "gs")
 PAGE_SUFFIX = ".page"
 TMP_SUFFIX = ".tmp"
 
 
-@register_backend("file", "s3", "hdfs", "gs", "gcs")
+@register_backend("file", "s3", "hdfs", "gs")
 class FileBackend(StorageBackend):
     """See the module docstring. Thread-safe."""
 
