@@ -98,7 +98,7 @@ class LocalRedis:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     log = (self.dir / "redis.log")
                     tail = log.read_text()[-2000:] if log.exists() else ""
-                    self.kill()
+                    self.stop()
                     raise RuntimeError(f"redis-server on port {self.port} did not start:\n{tail}")
                 time.sleep(0.02)
         finally:
