@@ -253,9 +253,16 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     async def Allocate(self, request: pb.AllocateRequest, context: Ctx) -> pb.AllocateResponse:
         entry = self.table.get(request.request_id)
         n = page_count(request.num_pages, self.max_pages)
+        cache = self.cache
+        free = cache.device_pool.allocator.free_pages
+        evictable = cache.tree.device_pages - cache.tree.locked_device_pages  # at most this much can be freed
+        if n > free + evictable:  # refuse before evicting anything: a rejected call changes nothing
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"L1: need {n} pages, {free} free and at most {evictable} evictable "
+                               "(the rest is locked by requests in flight)")
         async with entry.lock:
             assert entry.request is not None
-            pages = self.cache.alloc(entry.request, n)
+            pages = cache.alloc(entry.request, n)
         return pb.AllocateResponse(device_indices=pages.tolist())
 
     @unary

@@ -143,3 +143,16 @@ def test_match_stream_sessions_answer_concurrent_calls_in_order(srv: ServerProc,
 
     got = asyncio.run(main())
     assert got == [len(p) // PS for p in prompts] + [len(prompts[3]) // PS]
+
+
+def test_allocate_beyond_what_can_be_freed_is_refused_without_evicting(
+        server_factory: Callable[..., ServerProc]) -> None:
+    srv = server_factory(cache={"l1_tokens": 8 * PS, "l2_tokens": 0})
+    with HiCacheClient(srv.target) as c:
+        commit_prompt(c, tokens(50), "cached")  # 4 pages cached, unlocked (evictable)
+        c.match(tokens(51), "x")
+        before = state(c)
+        expect(C.RESOURCE_EXHAUSTED, lambda: c.allocate("x", 9), "evictable")
+        assert state(c) == before  # nothing was evicted for a call that could not succeed
+        assert len(c.allocate("x", 8)) == 8  # all 8: the cached prompt is evicted to make room
+        c.release("x")
