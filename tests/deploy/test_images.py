@@ -86,9 +86,9 @@ def test_cuda_image_installs_the_gpu_extra() -> None:
     ins = instructions(DOCKERFILES["cuda"])
     base = next(a for op, a in ins if op == "ARG" and a.startswith("CUDA_IMAGE="))
     assert re.fullmatch(r"CUDA_IMAGE=nvidia/cuda:12\.\d+\.\d+-runtime-ubuntu\d+\.\d+", base)
-    assert any(op == "RUN" and 'pip install ".[gpu]"' in a for op, a in ins)
+    assert any(op == "RUN" and 'pip install ".[gpu-cuda12]"' in a for op, a in ins)
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert any(d.startswith("cupy-cuda12x") for d in extras["gpu"])  # CUDA 12 CuPy on the CUDA 12 base
+    assert any(d.startswith("cupy-cuda12x") for d in extras["gpu-cuda12"])  # CUDA 12 CuPy on the CUDA 12 base
     cpu = instructions(DOCKERFILES["cpu"])
     assert any(op == "ARG" and a == "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" for op, a in cpu)
 
