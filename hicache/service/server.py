@@ -24,8 +24,6 @@ import uuid
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from hicache.cache import HiCache
 from hicache.config import HiCacheConfig
@@ -40,6 +38,17 @@ from hicache.storage.base import StorageBackend
 from hicache.storage.writeback import FlushReport
 
 log = logging.getLogger("hicache.service")
+
+# Health and reflection are dependencies of the package; a host with a bare grpcio still serves the API
+# (with a warning) rather than not at all.
+try:
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+except ImportError:  # pragma: no cover - grpcio-health-checking missing
+    health = health_pb2 = health_pb2_grpc = None  # type: ignore[assignment]
+try:
+    from grpc_reflection.v1alpha import reflection
+except ImportError:  # pragma: no cover - grpcio-reflection missing
+    reflection = None  # type: ignore[assignment]
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HiCache"].full_name
 
 
@@ -89,11 +98,18 @@ class NodeServer:
             ("grpc.so_reuseport", 0),
         ])
         pb_grpc.add_HiCacheServicer_to_server(self.servicer, self.server)
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            self.server)
+        self.health = None
+        names = [SERVICE_NAME]
+        if health is not None:
+            self.health = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+            names.append(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        else:  # pragma: no cover
+            log.warning("grpcio-health-checking is not installed: no grpc.health.v1 service")
+        if reflection is not None:
+            reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], self.server)
+        else:  # pragma: no cover
+            log.warning("grpcio-reflection is not installed: no server reflection")
         addr = f"{s.host}:{s.port}"
         if s.tls_cert:
             self.port = self.server.add_secure_port(addr, server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca))
@@ -110,7 +126,8 @@ class NodeServer:
         gc.freeze()
         await self.server.start()
         for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            if self.health is not None:
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._expire_loop())
         log.info("hicache serve: %s on %s:%d (pool %s, %d L1 pages, layout %s)", self.server_id, s.host, self.port,
                  self.shared.kind if self.shared else "private", cfg.l1_pages, cfg.layout.to_layout().describe())
@@ -130,7 +147,8 @@ class NodeServer:
         assert self.cache is not None
         grace = self.config.serve.shutdown_grace_s if grace_s is None else grace_s
         log.info("shutting down: finishing in-flight RPCs (grace %.1f s)", grace)
-        await self.health.enter_graceful_shutdown()
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
         self.hub.close()
         if self._reaper is not None:
             self._reaper.cancel()
@@ -181,8 +199,12 @@ async def serve_until_signal(config: HiCacheConfig, ready: asyncio.Event | None 
 
 
 def run(config: HiCacheConfig, request_ttl_s: float = 600.0) -> int:
-    """Blocking entry point: :func:`serve_until_signal` on uvloop."""
-    import uvloop
-
-    uvloop.run(serve_until_signal(config, request_ttl_s=request_ttl_s))
+    """Blocking entry point: :func:`serve_until_signal` on uvloop (asyncio's loop without it)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        log.warning("uvloop is not installed: serving on the default asyncio loop")
+        asyncio.run(serve_until_signal(config, request_ttl_s=request_ttl_s))
+    else:
+        uvloop.run(serve_until_signal(config, request_ttl_s=request_ttl_s))
     return 0
