@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 OK, MISS, CORRUPT, ERROR = 0, 1, 2, 3
 _OBJECT_STORES = ("s3", "gs")
 PAGE_SUFFIX = ".page"
+INLINE_PAGE_BYTES = 256 << 10  # local pages smaller than this are read/written on the caller's thread
 TMP_SUFFIX = ".tmp"
 
 
@@ -225,8 +226,10 @@ class FileBackend(StorageBackend):
                 log.warning("file store %s: %s", self.root, e)
                 return ERROR
 
-        if n == 1:
-            return [safe(0)]
+        if n == 1 or (self._local and self._page_bytes < INLINE_PAGE_BYTES):
+            # small local pages: each costs a few microseconds of syscalls and Python, and handing them
+            # to threads only adds GIL ping-pong; run them on the caller's thread
+            return [safe(i) for i in range(n)]
         # Contiguous runs of pages per thread: one task each, not one per page (less GIL ping-pong).
         parts = min(n, self._threads)
         bounds = [(n * k // parts, n * (k + 1) // parts) for k in range(parts)]
