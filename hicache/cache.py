@@ -526,10 +526,13 @@ class HiCache:
         calls are errors: a second release raises ``ValueError``."""
         if req.released:
             raise ValueError("release: request already released")
-        if req.prefetch is not None:
-            req.prefetch.cancel()
+        task = req.prefetch
+        if task is not None:
+            task.cancel()  # stops it and frees its pages, unless it was already finished ...
             with self._lock:
-                self._prefetch_inflight_bytes -= req.prefetch.num_pages * self.layout.bytes_per_page
+                self._prefetch_inflight_bytes -= task.num_pages * self.layout.bytes_per_page
+                if not task.cancelled and task.handed > 0:  # ... and handed over, but never loaded back
+                    self.host_pool.allocator.free(task.host_pages[: task.handed])
             req.prefetch = None
         with self._lock:
             self.tree.unlock(req.lock_node)

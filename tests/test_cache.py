@@ -292,3 +292,19 @@ def test_priority_policy_evicts_low_priority_first(make_cache) -> None:
     assert (a.l1_pages, b.l1_pages) == (4, 0)  # the later-used but low-priority run went first
     cache.release(a)
     cache.release(b)
+
+
+def test_release_frees_a_finished_prefetch_that_was_never_loaded(make_cache) -> None:
+    cache = make_cache(cache={"write_policy": "write_through"}, storage={"url": "memory://"})
+    tokens = list(range(32))
+    commit_fresh(cache, tokens, seed=13)
+    cache.flush()
+    cache.evict(l1_pages=100)
+    cache.flush()
+    cache.evict(l2_pages=100)
+    req = cache.match(tokens)
+    assert cache.prefetch(req) == 8
+    assert req.prefetch is not None and req.prefetch.finish(None) == 8  # e.g. a caller cut off by its deadline
+    cache.release(req)
+    cache.check_integrity()
+    assert cache.host_pool.allocator.used_pages == 0

@@ -18,8 +18,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -48,6 +48,26 @@ DEFAULT_EVENT_QUEUE = 4096
 MAX_EVENT_QUEUE = 1 << 20
 PAGE_CHUNK_BYTES = 4 << 20  # ReadPages: at most this much page data per message (at least one page)
 DEADLINE_MARGIN_S = 0.02
+T = TypeVar("T")
+
+
+async def blocking(fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` on a worker thread. If the RPC is cancelled meanwhile (deadline, client gone), wait
+    for ``fn`` to finish before letting the cancellation through: cache bookkeeping never keeps running
+    after the handler has let go of the request's lock."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(fut)
+            break
+        except asyncio.CancelledError:
+            if fut.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
 
 
 class HiCacheServicer(pb_grpc.HiCacheServicer):
@@ -120,7 +140,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         old = self.table.expired()
         for e in old:
             assert e.request is not None
-            await asyncio.to_thread(self.cache.release, e.request)
+            await blocking(self.cache.release, e.request)
         if old:
             self.metrics.expired_requests.inc(len(old))
         return len(old)
@@ -130,7 +150,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         for e in entries:
             assert e.request is not None
             if not e.request.released:
-                await asyncio.to_thread(self.cache.release, e.request)
+                await blocking(self.cache.release, e.request)
         return len(entries)
 
     # ------------------------------------------------------------------ Match
@@ -173,7 +193,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 raise invalid("peek: opens no request, so request_id and load must be unset")
             tokens = np.frombuffer(tb, dtype="<u4")
             if l3:
-                req = await asyncio.to_thread(self._peek, tokens, ns, l3, request.return_keys)
+                req = await blocking(self._peek, tokens, ns, l3, request.return_keys)
             else:
                 req = self._peek(tokens, ns, False, request.return_keys)
             return self._match_response(req, "", request.return_keys)
@@ -181,7 +201,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         entry = self.table.reserve(rid)
         try:
             if l3 or request.load:
-                req = await asyncio.to_thread(self._open, entry, tb, ns, l3, request.load, request.return_keys)
+                req = await blocking(self._open, entry, tb, ns, l3, request.load, request.return_keys)
             else:
                 req = self._open(entry, tb, ns, False, False, request.return_keys)
         except asyncio.CancelledError:
@@ -230,7 +250,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             assert req is not None
             if req.released:
                 raise ServiceError(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r}: released")
-            total = await asyncio.to_thread(self.cache.prefetch, req) if self.cache.storage is not None else 0
+            total = await blocking(self.cache.prefetch, req) if self.cache.storage is not None else 0
             task = req.prefetch
             if task is not None:
                 wait = self._prefetch_wait(req, context)
@@ -241,8 +261,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                         step = interval if end is None else max(0.0, min(interval, end - time.monotonic()))
                         await asyncio.sleep(step)
                     wait = 0.0
-                await asyncio.to_thread(task.finish, wait)
-            load = await asyncio.to_thread(self._load, req)
+                await blocking(task.finish, wait)
+            load = await blocking(self._load, req)
             entry.last_used = time.monotonic()
         yield pb.PrefetchProgress(pages_total=total, pages_done=load.l3_pages, done=True,
                                   device_indices=load.device_indices.tolist(), loaded_l2_pages=load.l2_pages,
@@ -307,7 +327,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             req = entry.request
             assert req is not None
             if req.prefetch is not None:
-                await asyncio.to_thread(self.cache.release, req)
+                await blocking(self.cache.release, req)
             else:
                 self.cache.release(req)
         return pb.ReleaseResponse()
@@ -374,11 +394,11 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     async def ReadPages(self, request: pb.ReadPagesRequest, context: Ctx) -> AsyncIterator[pb.PageChunk]:
         tb = token_bytes(request.tokens, request.token_ids, self.max_tokens)
         ns = self._ns(request.namespace)
-        req = await asyncio.to_thread(self.cache.match, np.frombuffer(tb, dtype="<u4"), ns)
+        req = await blocking(self.cache.match, np.frombuffer(tb, dtype="<u4"), ns)
         try:
             if self.cache.storage is not None:
-                await asyncio.to_thread(self.cache.prefetch, req)
-            load = await asyncio.to_thread(self._load, req)
+                await blocking(self.cache.prefetch, req)
+            load = await blocking(self._load, req)
             dev = load.device_indices
             if request.max_pages:
                 dev = dev[: request.max_pages]
@@ -387,7 +407,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             total = len(dev)
             for lo in range(0, total, per):
                 chunk = dev[lo: lo + per]
-                data = await asyncio.to_thread(gather_pages, self.cache.device_pool, chunk)
+                data = await blocking(gather_pages, self.cache.device_pool, chunk)
                 yield pb.PageChunk(first_page=lo, num_pages=len(chunk), page_keys=req.keys[lo: lo + len(chunk)],
                                    data=data, total_pages=total)
         finally:
@@ -423,7 +443,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         if len(buf) != limit:
             raise invalid(f"data: {len(buf)} bytes, pages {header.first_page}.. need {limit}")
         ns = self._ns(header.namespace)
-        return await asyncio.to_thread(self._write_pages, tb, ns, header.first_page, bytes(buf))
+        return await blocking(self._write_pages, tb, ns, header.first_page, bytes(buf))
 
     def _write_pages(self, tb: bytes, ns: Any, first: int, data: bytes) -> pb.CommitResponse:
         cache = self.cache

@@ -69,6 +69,11 @@ class PrefetchTask:
     def cancelled(self) -> bool:
         return self._cancelled
 
+    @property
+    def handed(self) -> int:
+        """Leading pages :meth:`finish` handed to the caller (0 after :meth:`cancel`; -1 before either)."""
+        return self._handed
+
     def run(self) -> None:
         """Worker body: read batch by batch until done, a miss/corrupt page, an error, or stop."""
         with self._lock:

@@ -1,0 +1,86 @@
+"""Deadlines are honoured: a Prefetch whose policy would wait for the whole L3 run (wait_complete) stops
+reading the store at the caller's deadline, and the cache stays consistent (no page leaked, nothing
+half-inserted); the request can still be used and released."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from hicache.client import AsyncHiCacheClient
+from hicache.config import config_from_dict
+from hicache.pool import HostPool
+from hicache.service.server import NodeServer
+from hicache.storage.base import StorageContext
+from hicache.storage.memory import MemoryBackend
+
+PS = 4
+PAGES = 16
+SLOW_S = 0.15  # per page read: the whole prompt would take 2.4 s from L3
+
+
+class SlowStore(MemoryBackend):
+    reads = 0
+
+    def batch_get(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
+        time.sleep(SLOW_S * len(keys))
+        self.reads += len(keys)
+        return super().batch_get(keys, host_pool, host_indices)
+
+
+def config() -> Any:
+    return config_from_dict({
+        "layout": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "page_size": PS},
+        "cache": {"l1_tokens": 64 * PS, "l2_tokens": 64 * PS, "write_policy": "write_through"},
+        "storage": {"prefetch_policy": "wait_complete", "prefetch_threshold_tokens": 0, "io_batch_pages": 1},
+        "serve": {"port": 0, "metrics_port": 0, "shared_pool": False, "shutdown_grace_s": 1.0},
+    })
+
+
+def test_prefetch_stops_at_the_deadline() -> None:
+    async def main() -> None:
+        cfg = config()
+        ns = cfg.namespace()
+        store = SlowStore("memory://", StorageContext(ns.digest, ns.layout))
+        node = NodeServer(cfg, storage=store)
+        await node.start()
+        try:
+            assert node.cache is not None
+            toks = np.arange(1, PAGES * PS + 1, dtype=np.uint32)
+            async with AsyncHiCacheClient(f"127.0.0.1:{node.port}") as c:
+                m = await c.match(toks, "w")
+                new = await c.allocate("w", m.num_pages)
+                await c.commit("w", toks, new)
+                await c.release("w")
+                node.cache.flush()
+                node.cache.evict(l1_pages=10**6)
+                node.cache.flush()
+                node.cache.evict(l2_pages=10**6)  # now only the (slow) store has the pages
+                m = await c.match(toks, "r")
+                assert m.l3_pages == PAGES
+                t0 = time.monotonic()
+                try:
+                    done = [p async for p in c.prefetch("r", timeout_s=0.6)]
+                    assert done[-1].done and done[-1].loaded_l3_pages < PAGES  # returned with what landed
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert time.monotonic() - t0 < 1.0
+                await asyncio.sleep(3 * SLOW_S)  # at most the batch in flight finishes
+                reads = store.reads
+                assert reads < PAGES, reads  # it stopped reading instead of fetching all 2.4 s worth
+                await asyncio.sleep(4 * SLOW_S)
+                assert store.reads == reads
+                await c.release("r")
+                m = await c.match(toks, "again")  # the tree is whole: L2 holds what landed, L3 the rest
+                assert m.l1_pages + m.l2_pages + m.l3_pages == PAGES
+                await c.release("again")
+            node.cache.check_integrity()  # every host page the prefetch took is back or in the tree
+        finally:
+            await node.stop()
+
+    asyncio.run(main())
