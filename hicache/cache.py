@@ -165,8 +165,8 @@ class HiCache:
 
     def _update_gauges(self) -> None:
         m = self.metrics
-        m.pool_used.labels("l1").set(self.device_pool.allocator.used_pages)
-        m.pool_used.labels("l2").set(self.host_pool.allocator.used_pages if self.has_l2 else 0)
+        m.used["l1"].set(self.device_pool.allocator.used_pages)
+        m.used["l2"].set(self.host_pool.allocator.used_pages if self.has_l2 else 0)
         if self.writeback is not None:
             m.writeback_queue.set(self.writeback.queued_pages)
         if self.storage is not None:
@@ -316,9 +316,9 @@ class HiCache:
         mt = self.metrics
         mt.lookups.inc()
         mt.lookup_tokens.inc(req.num_pages * self.page_size)
-        mt.hit_tokens.labels("l1").inc(req.l1_pages * self.page_size)
-        mt.hit_tokens.labels("l2").inc(req.l2_pages * self.page_size)
-        mt.hit_tokens.labels("l3").inc(req.l3_pages * self.page_size)
+        mt.hit["l1"].inc(req.l1_pages * self.page_size)
+        mt.hit["l2"].inc(req.l2_pages * self.page_size)
+        mt.hit["l3"].inc(req.l3_pages * self.page_size)
         mt.match_seconds.observe(time.perf_counter() - t0)
         return req
 

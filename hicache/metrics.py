@@ -39,5 +39,8 @@ class Metrics:
                                      registry=r)
         self.prefetch_inflight_bytes = Gauge("hicache_prefetch_inflight_bytes", "Bytes of L3 prefetches in flight",
                                              registry=r)
+        # children bound once: a labels() lookup per call costs microseconds on the hot path
+        self.hit = {t: self.hit_tokens.labels(t) for t in TIERS}
+        self.used = {t: self.pool_used.labels(t) for t in TIERS[:2]}
         self.match_seconds = Histogram("hicache_match_seconds", "Match latency", registry=r,
                                        buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
