@@ -73,9 +73,9 @@ def test_prefetch_stops_at_the_deadline() -> None:
                 prefetcher = node.cache.prefetcher
                 assert prefetcher is not None
                 end = time.monotonic() + 10
-                while prefetcher.live_tasks() and time.monotonic() < end:  # at most the batch in flight
+                while prefetcher.live_tasks and time.monotonic() < end:  # at most the batch in flight
                     await asyncio.sleep(0.02)
-                assert prefetcher.live_tasks() == 0
+                assert prefetcher.live_tasks == 0
                 reads = store.reads
                 assert reads < PAGES, reads  # it stopped reading instead of fetching all 2.4 s worth
                 await asyncio.sleep(4 * SLOW_S)
