@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import read_kv, serve, small_config, write_kv
 from hicache.cache import CacheFullError, HiCache
 from hicache.keys import Namespace
 from hicache.layout import KVLayout
 from hicache.storage.memory import MemoryBackend
+from kvhelpers import read_kv, serve, small_config, write_kv
 
 
 def kv_equal(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:

@@ -13,12 +13,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
-from hicache.cache import HiCache, Request
-from hicache.config import HiCacheConfig, config_from_dict
 from hicache.layout import KVLayout
 from hicache.pool import HostPool
 from hicache.storage import StorageBackend, StorageContext, create_backend
@@ -112,49 +109,7 @@ def open_backend() -> Iterator[Callable[..., StorageBackend]]:
         b.close()
 
 
-# ---------------------------------------------------------------- cache helpers (what an engine does)
+# cache helpers (what an engine does) are shared with the core tests
+from kvhelpers import read_kv, serve, small_config, write_kv  # noqa: E402
 
-
-def small_config(**sections: dict[str, Any]) -> HiCacheConfig:
-    """A tiny cache (pages of 4 tokens, 768 B) whose requests run in milliseconds on CPU."""
-    base: dict[str, dict[str, Any]] = {
-        "layout": {"num_layers": 3, "num_kv_heads": 2, "head_dim": 4, "dtype": "float32", "page_size": 4},
-        "cache": {"l1_tokens": 64, "l2_tokens": 128},
-        "storage": {"prefetch_threshold_tokens": 0, "prefetch_policy": "wait_complete"},
-    }
-    for k, v in sections.items():
-        base.setdefault(k, {}).update(v)
-    return config_from_dict(base)
-
-
-def write_kv(cache: HiCache, pages: np.ndarray, seed: int) -> list[list[torch.Tensor]]:
-    """Fill L1 ``pages`` with random KV (what a forward pass writes); returns the values written."""
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.from_numpy(np.asarray(pages, dtype=np.int64))
-    out = []
-    for layer in cache.device_pool.kv:
-        row = []
-        for t in layer:
-            v = torch.randn((len(pages), *t.shape[1:]), generator=g).to(t.dtype)
-            t[idx] = v
-            row.append(v)
-        out.append(row)
-    return out
-
-
-def read_kv(cache: HiCache, pages: np.ndarray) -> list[list[torch.Tensor]]:
-    idx = torch.from_numpy(np.asarray(pages, dtype=np.int64))
-    return [[t[idx].clone() for t in layer] for layer in cache.device_pool.kv]
-
-
-def serve(cache: HiCache, tokens: list[int], seed: int = 0) -> tuple[Request, Any]:
-    """One request as an engine runs it: match, prefetch, load back, compute the rest, commit."""
-    req = cache.match(tokens)
-    cache.prefetch(req)
-    load = cache.load_back(req)
-    load.wait()
-    n_pages = len(tokens) // cache.page_size
-    new = cache.alloc(req, n_pages - len(load.device_indices))
-    write_kv(cache, new, seed)
-    cache.commit(req, tokens, np.concatenate([load.device_indices, new]))
-    return req, load
+__all__ = ["read_kv", "serve", "small_config", "write_kv"]
