@@ -69,7 +69,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--write-policy", default="write_through_selective",
                    help="write_through | write_through_selective | write_back")
     g.add_argument("--prefetch-policy", default="wait_complete", help="best_effort | wait_complete | timeout")
-    g.add_argument("--target", default="inproc", help="inproc (default) or grpc://host:port of a node")
+    g.add_argument("--target", default="inproc",
+                   help="inproc (default), or grpc://host:port of a node or of a router (hicache route)")
     g = p.add_argument_group("replay and report")
     g.add_argument("--follow-timestamps", action="store_true", help="start requests at their trace times")
     g.add_argument("--speed", type=float, default=1.0, help="time scale with --follow-timestamps (10 = 10x faster)")

@@ -25,7 +25,7 @@ import numpy as np
 from hicache.bench.errors import BenchInputError
 from hicache.bench.optimal import PagedTrace, belady, infinite, page_trace
 from hicache.bench.replay import ReplayResult, replay
-from hicache.bench.targets import GrpcTarget, InProcessTarget, Target, open_target
+from hicache.bench.targets import GrpcTarget, InProcessTarget, RouterTarget, Target, is_router, open_target
 from hicache.bench.tokenizer import WordTokenizer, load_tokenizer
 from hicache.bench.traces import MOONCAKE_BLOCK, is_mooncake, load_trace
 from hicache.bench.units import Size, parse_size
@@ -245,9 +245,9 @@ def run_bench(opts: BenchOptions, wl: Workload | None = None,
     opts.check()
     wl = wl or load_requests(opts)
     reqs, ps = wl.requests, wl.page_size
-    remote: GrpcTarget | None = None
-    if opts.target.startswith("grpc://"):  # the node decides page size and capacities
-        remote = GrpcTarget(opts.target)
+    remote: GrpcTarget | RouterTarget | None = None
+    if opts.target.startswith("grpc://"):  # the node (or the router's nodes) decide page size and capacities
+        remote = RouterTarget(opts.target) if is_router(opts.target) else GrpcTarget(opts.target)
         if opts.page_size is not None and opts.page_size != remote.page_size:
             remote.close()
             raise BenchInputError(f"--page-size {opts.page_size}: the node at {opts.target} uses pages of "

@@ -8,8 +8,11 @@ says how many prompt tokens each tier hit and how many were not recomputed.
   the KV layout may be tiny (one layer, one head, ``head_dim`` 1): copies are then negligible and the
   hit rate is the same as with the real layout, which only scales bytes.
 * :class:`GrpcTarget` -- a node at ``grpc://host:port`` through :mod:`hicache.client` (imported only then).
+* :class:`RouterTarget` -- a router (``hicache route``) at ``grpc://host:port``: each request is routed,
+  served on the node the router chose, and reported back (``Complete``), as a cluster's front end does.
 
-:func:`open_target` picks one from a string (``inproc`` or ``grpc://host:port``).
+:func:`open_target` picks one from a string (``inproc`` or ``grpc://host:port``; a router answers there
+with ``hicache.v1.Router`` instead of the node service).
 """
 
 from __future__ import annotations
@@ -179,10 +182,98 @@ class GrpcTarget(Target):
         self.client.close()
 
 
+class RouterTarget(Target):
+    """A cluster behind a router: Route, serve on the chosen node (as :class:`GrpcTarget`), Complete.
+
+    Hit rates are those of the nodes the router picked, so they show what cache-aware routing buys
+    against, say, ``--target`` on one node or the router's ``round_robin`` policy.
+    """
+
+    name = "router"
+
+    def __init__(self, url: str, timeout_s: float = 30.0) -> None:
+        import grpc
+
+        from hicache.client._common import encode_tokens, ns_ref
+        from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
+        from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
+
+        self._grpc, self._rpb, self._encode, self._ns_ref = grpc, rpb, encode_tokens, ns_ref
+        self.url = url
+        self.channel = grpc.insecure_channel(url.removeprefix("grpc://"))
+        self.stub = rpb_grpc.RouterStub(self.channel)
+        self.timeout_s = timeout_s
+        nodes = self.stub.ListNodes(rpb.ListNodesRequest(), timeout=timeout_s).nodes
+        usable = [n for n in nodes if n.namespace_ok]
+        if not usable:
+            self.channel.close()
+            raise BenchInputError(f"--target {url}: the router has no node serving its namespace")
+        self.nodes: dict[str, GrpcTarget] = {}
+        first = self._node(usable[0].address)
+        self.page_size = first.page_size
+        self.l1_tokens = sum(first.l1_tokens for _ in usable)  # nodes are configured alike
+        self.l2_tokens = sum(first.l2_tokens for _ in usable)
+        self.routed: dict[str, int] = {}
+
+    def _node(self, address: str) -> GrpcTarget:
+        t = self.nodes.get(address)
+        if t is None:
+            t = self.nodes[address] = GrpcTarget(f"grpc://{address}", self.timeout_s)
+        return t
+
+    def serve(self, req: TraceRequest) -> Outcome:
+        rpb = self._rpb
+        t0 = time.perf_counter()
+        d = self.stub.Route(rpb.RouteRequest(namespace=self._ns_ref(""), tokens=self._encode(req.tokens)),
+                            timeout=self.timeout_s)
+        code = 0
+        try:
+            out = self._node(d.address).serve(req)
+        except self._grpc.RpcError as e:
+            code = e.code().value[0]
+            raise
+        finally:
+            self.stub.Complete(rpb.CompleteRequest(route_id=d.route_id, status_code=code), timeout=self.timeout_s)
+        self.routed[d.node] = self.routed.get(d.node, 0) + 1
+        return out._replace(seconds=time.perf_counter() - t0)
+
+    def stats(self) -> dict[str, Any]:
+        return {"routed": dict(self.routed), "nodes": {a: t.stats() for a, t in self.nodes.items()}}
+
+    def close(self) -> None:
+        for t in self.nodes.values():
+            t.close()
+        self.channel.close()
+
+
+def is_router(url: str) -> bool:
+    """True when ``url`` answers the router's ListNodes (and so is not a node)."""
+    import grpc
+
+    from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
+    from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
+
+    with grpc.insecure_channel(url.removeprefix("grpc://")) as ch:
+        try:
+            rpb_grpc.RouterStub(ch).ListNodes(rpb.ListNodesRequest(), timeout=5.0, wait_for_ready=True)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return False
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise BenchInputError(f"--target {url}: nothing answering there") from None
+            raise
+    return True
+
+
 def open_target(target: str, config: HiCacheConfig) -> Target:
-    """``inproc`` (the default) or ``grpc://host:port``; :class:`BenchInputError` for anything else."""
+    """``inproc`` (the default) or ``grpc://host:port`` of a node or a router; :class:`BenchInputError`
+    for anything else."""
     if target in ("", "inproc", "in-process"):
         return InProcessTarget(config)
     if target.startswith("grpc://"):
-        return GrpcTarget(target)
+        try:
+            import grpc  # noqa: F401
+        except ImportError as e:
+            raise BenchInputError(f"--target {target}: grpc is not available ({e})") from None
+        return RouterTarget(target) if is_router(target) else GrpcTarget(target)
     raise BenchInputError(f"--target: expected 'inproc' or grpc://host:port, got {target!r}")
