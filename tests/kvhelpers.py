@@ -57,3 +57,18 @@ def serve(cache: HiCache, tokens: list[int], seed: int = 0, ns: Any = None) -> t
     write_kv(cache, new, seed)
     cache.commit(req, tokens, np.concatenate([load.device_indices, new]))
     return req, load
+
+
+def kv_equal(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
+    return all(torch.equal(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def commit_fresh(cache: HiCache, tokens: list[int], seed: int) -> list[list[torch.Tensor]]:
+    """Compute and commit a prompt the cache has never seen; returns the KV written."""
+    req = cache.match(tokens)
+    assert req.hit_pages == 0
+    pages = cache.alloc(req, len(tokens) // cache.page_size)
+    kv = write_kv(cache, pages, seed)
+    cache.commit(req, tokens, pages)
+    cache.release(req)
+    return kv

@@ -12,21 +12,7 @@ from hicache.cache import CacheFullError, HiCache
 from hicache.keys import Namespace
 from hicache.layout import KVLayout
 from hicache.storage.memory import MemoryBackend
-from kvhelpers import read_kv, serve, small_config, write_kv
-
-
-def kv_equal(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
-    return all(torch.equal(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
-
-
-def commit_fresh(cache: HiCache, tokens: list[int], seed: int) -> list[list[torch.Tensor]]:
-    req = cache.match(tokens)
-    assert req.hit_pages == 0
-    pages = cache.alloc(req, len(tokens) // cache.page_size)
-    kv = write_kv(cache, pages, seed)
-    cache.commit(req, tokens, pages)
-    cache.release(req)
-    return kv
+from kvhelpers import commit_fresh, kv_equal, read_kv, serve, small_config
 
 
 def test_round_trip_l1_l2_l3_bytes_identical(make_cache) -> None:

@@ -8,12 +8,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from hicache.cache import HiCache
 from hicache.storage.redis_backend import RedisBackend
 from hicache.storage.redis_local import LocalRedis
-from storage.conftest import BACKENDS, needs_redis, read_kv, serve, small_config, write_kv
+from kvhelpers import commit_fresh, kv_equal, read_kv, serve, small_config
+from storage.conftest import BACKENDS, needs_redis
 
 FAST_FAIL = {"timeout_s": 0.5, "connect_timeout_s": 0.2, "retry_attempts": 2, "retry_base_s": 0.005,
              "breaker_base_s": 0.05, "breaker_max_s": 0.2}
@@ -23,19 +23,6 @@ def cache_for(url: str, options: dict[str, Any], **storage: Any) -> HiCache:
     cfg = small_config(cache={"write_policy": "write_through"},
                        storage={"url": url, "options": options, **storage})
     return HiCache(cfg)
-
-
-def kv_equal(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
-    return all(torch.equal(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
-
-
-def commit_fresh(cache: HiCache, tokens: list[int], seed: int) -> list[list[torch.Tensor]]:
-    req = cache.match(tokens)
-    pages = cache.alloc(req, len(tokens) // cache.page_size)
-    kv = write_kv(cache, pages, seed)
-    cache.commit(req, tokens, pages)
-    cache.release(req)
-    return kv
 
 
 def metric(cache: HiCache, name: str, **labels: str) -> float:
