@@ -6,13 +6,15 @@ In one run (needs a CUDA GPU and CuPy):
    on two streams), measured at the start (ratios use these) and again at the end (a drift check).
 2. Per piece size (bytes of one page's K or V for one layer; 4 KiB .. 2 MiB) and each direction, on
    random page indices: GB/s of the kernel path (``io_backend=kernel``), the copy-engine path
-   (``io_backend=copy_engine``: merged runs, ``cudaMemcpyBatchAsync``), and a per-page
-   ``cudaMemcpyAsync`` loop issued from Python.
+   (``io_backend=copy_engine``: merged runs, ``cudaMemcpyBatchAsync``), the staged path
+   (``io_backend=staged``: per-page runs by DMA through a device staging slot, then a device-side
+   scatter/gather), and a per-page ``cudaMemcpyAsync`` loop issued from Python.
 3. Slowdown of a bf16 8192^3 GEMM stream while loads (or backups) run next to it: kernel path at
-   several grid sizes, and the copy engine.
+   several grid sizes, the copy engine, and the staged path.
 4. Load and backup at once against the bidirectional ceiling.
 5. A 32-layer load overlapped with per-layer compute (GEMMs after ``wait_layer(i)``) against
-   max(load alone, compute alone), for compute/load ratios of about 0.5, 1 and 2.
+   max(load alone, compute alone), for compute/load ratios of about 0.5, 1 and 2; 64 KiB pieces (every
+   path) and 4 KiB pieces (kernel and staged: the staged path readies layers by groups of 8 there).
 
 Transfers are timed with CUDA events on the compute stream, which is held by ``torch.cuda._sleep`` while
 the host submits, so the figures are device time; host submission time is reported beside them.
@@ -191,7 +193,7 @@ def bench_pieces(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[
         L = s.layout.num_layers
         for direction in ("h2d", "d2h"):
             row: dict[str, Any] = {"piece_bytes": piece, "direction": direction, "bytes": s.bytes, "pages": s.n}
-            for backend in ("kernel", "copy_engine"):
+            for backend in ("kernel", "copy_engine", "staged"):
                 eng = s.engine(io_backend=backend)
                 if direction == "h2d":
                     t, sub = time_device(partial(_load, eng, s), L, args.reps)
@@ -209,13 +211,13 @@ def bench_pieces(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[
                     row["loop_copies"] = k
                 eng.close()
             c = ceil[direction]
-            for key in ("kernel", "copy_engine", "loop"):
+            for key in ("kernel", "copy_engine", "staged", "loop"):
                 row[f"{key}_ratio"] = row[f"{key}_gbps"] / c
             rows.append(row)
-            print(f"piece {kib:>5} KiB {direction}: kernel {row['kernel_gbps']:6.1f} GB/s "
-                  f"({row['kernel_ratio']:.2f})  copy-engine {row['copy_engine_gbps']:6.1f} "
-                  f"({row['copy_engine_ratio']:.2f})  per-page loop {row['loop_gbps']:6.1f} "
-                  f"({row['loop_ratio']:.2f})  ceiling {c:.1f}", flush=True)
+            print(f"piece {kib:>5} KiB {direction}: kernel {row['kernel_gbps']:5.1f} GB/s "
+                  f"({row['kernel_ratio']:.2f})  copy-engine {row['copy_engine_gbps']:5.1f} "
+                  f"({row['copy_engine_ratio']:.2f})  staged {row['staged_gbps']:5.1f} ({row['staged_ratio']:.2f})  "
+                  f"per-page loop {row['loop_gbps']:5.1f} ({row['loop_ratio']:.2f})  ceiling {c:.1f}", flush=True)
     return rows
 
 
@@ -245,7 +247,8 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
     L = s.layout.num_layers
     rows = []
     configs: list[tuple[str, str, dict[str, Any]]] = [("h2d", "kernel", {"blocks": bl}) for bl in args.blocks_sweep]
-    configs += [("d2h", "kernel", {}), ("h2d", "copy_engine", {}), ("d2h", "copy_engine", {})]
+    configs += [("d2h", "kernel", {}), ("h2d", "copy_engine", {}), ("d2h", "copy_engine", {}),
+                ("h2d", "staged", {}), ("d2h", "staged", {})]
 
     def gemm_after_gap(submit: Callable[[], Burst] | None) -> tuple[float, Burst | None]:
         torch.cuda.synchronize()
@@ -283,13 +286,13 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
             alone_ms.append(t_alone * 1e3)
             gbps.append(m * s.bytes / (burst.start.elapsed_time(burst.end) / 1e3) / GB)
         eng.close()
-        copier = eng.kernel if direction == "h2d" else eng.backup_kernel
+        copier = eng.stage_kernel if backend == "staged" else eng.kernel if direction == "h2d" else eng.backup_kernel
         row = {"direction": direction, "backend": backend, "blocks": kw.get("blocks", copier.blocks),
                "gemm_alone_ms": median(alone_ms), "gemm_slowdown": median(slow), "transfer_gbps": median(gbps),
                "transfer_ratio": median(gbps) / ceil[direction], "transfer_alone_gbps": alone_gbps,
                "transfer_alone_ratio": alone_gbps / ceil[direction]}
         rows.append(row)
-        grid = f"{row['blocks']} blocks" if backend == "kernel" else "DMA"
+        grid = {"kernel": f"{row['blocks']} blocks", "staged": f"DMA+{row['blocks']}"}.get(backend, "DMA")
         print(f"GEMM next to {direction} {backend:<11} ({grid:>8}): GEMM {100 * row['gemm_slowdown']:+5.1f}%  "
               f"transfer {row['transfer_gbps']:5.1f} GB/s ({row['transfer_ratio']:.2f} of ceiling; "
               f"alone {alone_gbps:5.1f} = {row['transfer_alone_ratio']:.2f})", flush=True)
@@ -301,7 +304,7 @@ def bench_bidir(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[s
     for kib in (64, 1024):
         s = Setup(layout_for_piece(kib << 10, args.layers), args.total_mib << 20, seed=7 + kib, spare=3)
         L = s.layout.num_layers
-        for backend in ("kernel", "copy_engine"):
+        for backend in ("kernel", "copy_engine", "staged"):
             eng = s.engine(io_backend=backend)
             t, _ = time_device(partial(_both, eng, s), L, args.reps)
             gbps = 2 * s.bytes / t / GB
@@ -313,6 +316,16 @@ def bench_bidir(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[s
 
 
 def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    rows = []
+    for kib, configs in ((64, [("kernel", {}), ("kernel", {"layer_signal": "events"}), ("copy_engine", {}),
+                               ("staged", {})]),
+                         (4, [("kernel", {}), ("staged", {})])):
+        rows += _overlap(args, ceil, kib << 10, configs)
+    return rows
+
+
+def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
+             configs: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     n_gemm = 4096
     a = torch.randn(n_gemm, n_gemm, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n_gemm, n_gemm, dtype=torch.bfloat16, device="cuda")
@@ -320,17 +333,14 @@ def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict
         gemm_time(a, b, 8)
     t_gemm = median([gemm_time(a, b, 32) / 32 for _ in range(3)])
     layers = 32
-    piece = 64 << 10
     layout = layout_for_piece(piece, layers)
     # per-layer load about 2 GEMMs long at the ceiling
     per_layer = 2 * t_gemm * ceil["h2d"] * GB
     s = Setup(layout, int(per_layer * layers), seed=5)
     rows = []
-    configs: list[tuple[str, dict[str, Any]]] = [("kernel", {}), ("kernel", {"layer_signal": "events"}),
-                                                 ("copy_engine", {})]
     for backend, kw in configs:
         eng = s.engine(io_backend=backend, **kw)
-        signal = eng.layer_signal if backend == "kernel" else "events"
+        signal = {"kernel": eng.layer_signal, "staged": "groups"}.get(backend, "events")
         t_load, _ = time_device(partial(_load, eng, s), layers, args.reps)
         for k in (1, 2, 4):
             comp = []
@@ -353,11 +363,12 @@ def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict
                 over.append(x.elapsed_time(y) / 1e3)
             t_comp, t_over = median(comp), median(over)
             ratio = t_over / max(t_load, t_comp)
-            rows.append({"backend": backend, "layer_signal": signal, "layers": layers, "load_ms": t_load * 1e3,
+            rows.append({"backend": backend, "layer_signal": signal, "layers": layers, "piece_bytes": piece,
+                         "load_ms": t_load * 1e3,
                          "compute_ms": t_comp * 1e3, "overlapped_ms": t_over * 1e3, "ratio_vs_max": ratio,
                          "bytes": s.bytes})
-            print(f"32-layer overlap {backend:<11} {signal:<6} compute/load {t_comp / t_load:4.2f}: "
-                  f"load {t_load * 1e3:6.2f} ms, "
+            print(f"32-layer overlap {piece >> 10:>3} KiB {backend:<11} {signal:<6} "
+                  f"compute/load {t_comp / t_load:4.2f}: load {t_load * 1e3:6.2f} ms, "
                   f"compute {t_comp * 1e3:6.2f} ms, overlapped {t_over * 1e3:6.2f} ms = {ratio:.3f} x max", flush=True)
         eng.close()
     return rows

@@ -25,7 +25,7 @@ from hicache.layout import DTYPES, KVLayout
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-IO_BACKENDS = ("auto", "cpu", "kernel", "copy_engine")
+IO_BACKENDS = ("auto", "cpu", "kernel", "copy_engine", "staged")
 ENV_PREFIX = "HICACHE_"
 
 
@@ -83,7 +83,7 @@ class CacheConfig:
     host_layout: str = "page_first"
     write_policy: str = "write_through_selective"
     eviction_policy: str = "tail_lru"  # LRU with one-off tails first (hicache.eviction.tail_lru)
-    io_backend: str = "auto"  # auto | cpu | kernel | copy_engine
+    io_backend: str = "auto"  # auto | cpu | kernel | copy_engine | staged
 
     def __post_init__(self) -> None:
         _require(self.l1_tokens >= 1, "cache.l1_tokens", ">= 1", self.l1_tokens)

@@ -36,6 +36,7 @@ class Segment:
     length: int  # new tokens (their ids are consecutive in the batch's token tensor)
     prefix: int  # tokens of this sequence already in its pages (they are attended, not computed)
     pages: torch.Tensor  # int64 [n] L1 pages covering prefix + length tokens, in order (on the pool's device)
+    pages_host: torch.Tensor | None = None  # the same pages on the CPU (tables are built there)
 
 
 PADDED_MAX_SUFFIX = 1024  # batches whose suffixes are all at most this long attend in one padded call
@@ -86,7 +87,7 @@ def make_batch(tokens: Sequence[Sequence[int]], prefixes: Sequence[int],
         ps = torch.arange(p, p + n, dtype=torch.int64)
         pos.append(ps)
         wpage.append(pgc[ps // page_size])
-        segs.append(Segment(n, p, pgc.to(device)))
+        segs.append(Segment(n, p, pgc.to(device), pgc))
     positions = torch.cat(pos)
     return Batch(torch.tensor(flat, dtype=torch.int64).to(device), positions.to(device), torch.cat(wpage).to(device),
                  (positions % page_size).to(device), segs, all(s.length == 1 for s in segs))
@@ -268,12 +269,15 @@ class Decoder:
         if len(segs) * rep * nmax * max_pages * S > PADDED_MAX_BIAS:
             return None
         dev = self.device
-        tables = torch.zeros(len(segs), max_pages, dtype=torch.int64, device=dev)
-        rows = []
-        for b, g in enumerate(segs):
+        tables_h = torch.zeros(len(segs), max_pages, dtype=torch.int64)
+        rows = torch.empty(batch.num_tokens, dtype=torch.int64)
+        off = 0
+        for b, g in enumerate(segs):  # built on the CPU, then moved in one copy each
             n = -(-lens[b] // S)
-            tables[b, :n] = g.pages[:n]
-            rows.append(torch.arange(b * nmax, b * nmax + g.length))
+            tables_h[b, :n] = (g.pages_host if g.pages_host is not None else g.pages.cpu())[:n]
+            rows[off: off + g.length] = torch.arange(b * nmax, b * nmax + g.length)
+            off += g.length
+        tables = tables_h.to(dev)
         # query i of segment b sits at position prefix_b + i and sees keys 0..prefix_b + i (padding rows
         # see a harmless non-empty range; their outputs are dropped)
         prefix = torch.tensor([g.prefix for g in segs], device=dev)
@@ -281,7 +285,7 @@ class Decoder:
         allowed = torch.arange(max_pages * S, device=dev)[None, None, :] <= qpos[:, :, None]  # [B, nmax, N]
         bias = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(~allowed, float("-inf"))
         bias = bias[:, None].repeat(1, 1, rep, 1) if rep > 1 else bias[:, None]  # [B, 1, rep * nmax, N]
-        return _Padded(tables, torch.cat(rows).to(dev), bias, nmax, rep)
+        return _Padded(tables, rows.to(dev), bias, nmax, rep)
 
     def _padded_attend(self, layer: int, q: torch.Tensor, pool: list[torch.Tensor], n_pieces: int,
                        p: _Padded) -> torch.Tensor:
@@ -323,10 +327,11 @@ class Decoder:
         """Padded page tables [B, maxP] and key masks [B, 1, 1, maxP * S] for batched one-token attention."""
         lens = [g.prefix + 1 for g in batch.segments]
         max_pages = max((n + S - 1) // S for n in lens)
-        tables = torch.zeros(len(lens), max_pages, dtype=torch.int64, device=self.device)
+        tables_h = torch.zeros(len(lens), max_pages, dtype=torch.int64)
         for i, g in enumerate(batch.segments):
             n = (lens[i] + S - 1) // S
-            tables[i, :n] = g.pages[:n]
+            tables_h[i, :n] = (g.pages_host if g.pages_host is not None else g.pages.cpu())[:n]
+        tables = tables_h.to(self.device)
         ln = torch.tensor(lens, device=self.device)
         mask = torch.arange(max_pages * S, device=self.device)[None, :] < ln[:, None]
         return tables, mask[:, None, None, :]

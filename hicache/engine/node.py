@@ -70,6 +70,7 @@ class _Seq:
     handle: Any
     t_start: float
     tokens: list[int] = field(default_factory=list)  # prompt + generated
+    prompt: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # the prompt, as an array
     load: Any = None
     table: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # L1 page per position // S
     prefix: int = 0  # prompt tokens taken from the cache
@@ -87,11 +88,12 @@ class _Seq:
                                                       and self.out[-1] == r.stop_token)
 
 
-def _common_pages(a: Sequence[int], b: Sequence[int], page_size: int) -> int:
+def _common_pages(a: np.ndarray, b: np.ndarray, page_size: int) -> int:
+    """Full pages of ``page_size`` tokens that the token arrays ``a`` and ``b`` share from the start."""
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    x = np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64)
+    x = a[:n] != b[:n]
     first = int(np.argmax(x)) if x.any() else n
     return first // page_size
 
@@ -153,14 +155,15 @@ class ServingNode:
             idx, r = pending[0]
             h = self.port.match(r.tokens, r.ns)
             hit = h.l1_pages + h.l2_pages + h.l3_pages
-            shared = max((_common_pages(r.tokens, s.req.tokens, S) for s in batch if s.req.ns == r.ns), default=0)
+            arr = np.asarray(r.tokens, dtype=np.int64)
+            shared = max((_common_pages(arr, s.prompt, S) for s in batch if s.req.ns == r.ns), default=0)
             new_tokens = len(r.tokens) - hit * S
             if batch and (shared > hit or budget + new_tokens > self.max_batch_tokens):
                 self.port.release(h)
                 break
             pending.popleft()
             budget += new_tokens
-            batch.append(_Seq(idx, r, h, t0, list(r.tokens)))
+            batch.append(_Seq(idx, r, h, t0, list(r.tokens), arr))
         return batch
 
     def _prefill(self, batch: list[_Seq]) -> None:

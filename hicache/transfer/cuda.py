@@ -41,9 +41,16 @@ I/O backends (``io_backend``):
   needs more reads in flight than writing it); more blocks only take SMs away from attention.
   ``blocks=N`` sets both.
 * ``copy_engine``: DMA copies, runs merged, ``cudaMemcpyBatchAsync`` where available; uses no SMs.
+* ``staged`` (page-first host pools): each page's bytes for a group of layers are contiguous on the
+  host, so they move as one large DMA copy into a device staging slot, and a device-to-device kernel
+  burst on a few SMs scatters them into the layer-first pool (backups: gather, then DMA). Small pieces
+  then move at the copy engine's full rate. Loads go by groups of layers (the fewest whose run per page
+  reaches ``ce_min_copy_bytes``); every layer of a group is ready at once. See
+  :mod:`hicache.transfer.staged`.
 * ``auto``: per transfer, the copy engine when its copies average at least ``ce_min_copy_bytes``
   (default 64 KiB: measured on H200/PCIe Gen5, the copy engine then runs at the link ceiling with
-  no SM use, and its per-copy submission cost stays below the copy time), else the kernel.
+  no SM use, and its per-copy submission cost stays below the copy time); else the staged path where
+  the host pool is page-first; else the kernel.
 
 Host memory: the host pool's buffer is used in place. When it is not already pinned (e.g. a
 ``HostPool(..., pin_memory=False)`` of tens of GB, which avoids the caching pinned allocator's
@@ -67,13 +74,15 @@ from hicache.transfer.cuda_driver import StreamWaiter
 from hicache.transfer.cuda_kernels import (
     DEFAULT_BACKUP_BLOCKS,
     DEFAULT_LOAD_BLOCKS,
+    DEFAULT_STAGE_BLOCKS,
     DEFAULT_THREADS,
     CopyGeometry,
     KernelCopier,
 )
+from hicache.transfer.staged import group_layers, plan_group, with_slot_base
 
-IoBackend = Literal["kernel", "copy_engine", "auto"]
-IO_BACKENDS = ("kernel", "copy_engine", "auto")
+IoBackend = Literal["kernel", "copy_engine", "staged", "auto"]
+IO_BACKENDS = ("kernel", "copy_engine", "staged", "auto")
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
 
@@ -137,6 +146,26 @@ class _InFlight:
     backup: bool
 
 
+class _Stager:
+    """One direction's staging buffer: two slots used in turn, a stream for the device-side kernel, and
+    for each slot the event after which it may be refilled."""
+
+    def __init__(self, device: torch.device, slot_bytes: int, max_pages: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.buf = torch.empty(2 * slot_bytes + 256, dtype=torch.uint8, device=device)
+        self.base = (self.buf.data_ptr() + 255) // 256 * 256
+        self.stream = torch.cuda.Stream(device, priority=-1)
+        self.free: list[torch.cuda.Event | None] = [None, None]
+        self.pos = torch.arange(max(max_pages, 1), dtype=torch.int64, device=device)
+        self._next = 0
+
+    def take(self) -> tuple[int, int]:
+        """The next slot to fill: (slot number, device address)."""
+        s = self._next
+        self._next ^= 1
+        return s, self.base + s * self.slot_bytes
+
+
 @register_engine("cuda")
 class CudaTransferEngine(TransferEngine):
     name = "cuda"
@@ -144,7 +173,7 @@ class CudaTransferEngine(TransferEngine):
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, io_backend: str = "auto",
                  blocks: int | None = None, threads: int = DEFAULT_THREADS,
                  ce_min_copy_bytes: int = 64 << 10, register_host: bool = True,
-                 layer_signal: str = "auto") -> None:
+                 layer_signal: str = "auto", staging_bytes: int = 64 << 20) -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
@@ -154,7 +183,12 @@ class CudaTransferEngine(TransferEngine):
             import cupy
         except ImportError as e:
             raise ValueError(f"transfer engine 'cuda' needs CuPy: {e}") from e
+        if io_backend == "staged" and host_pool.host_layout != "page_first":
+            raise ValueError("io_backend 'staged' needs a page_first host pool")
+        if staging_bytes < 2:
+            raise ValueError(f"staging_bytes: must be >= 2, got {staging_bytes}")
         self.io_backend: IoBackend = io_backend  # type: ignore[assignment]
+        self.staging_bytes = staging_bytes
         self.ce_min_copy_bytes = ce_min_copy_bytes
         dev = device_pool.device
         self.device = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
@@ -204,9 +238,17 @@ class CudaTransferEngine(TransferEngine):
         self.kernel = KernelCopier(self.geometry, self.device_index, blocks or DEFAULT_LOAD_BLOCKS, threads)
         self.backup_kernel = KernelCopier(self.geometry, self.device_index, blocks or DEFAULT_BACKUP_BLOCKS,
                                           threads)
+        self.stage_kernel = KernelCopier(self.geometry, self.device_index, DEFAULT_STAGE_BLOCKS, threads)
         self._rt: CudaRuntime | None = None
         if io_backend != "kernel":
             self._rt = CudaRuntime.get()
+        self._stagers: dict[bool, _Stager] = {}  # per direction (to_host), created on first use
+        slot = self.staging_bytes // 2
+        self.can_stage = (host_pool.host_layout == "page_first" and self._rt is not None
+                          and group_layers(L, C, piece, 1, slot) > 0)
+        if io_backend == "staged" and not self.can_stage:
+            raise ValueError(f"io_backend 'staged': one layer of a page ({C * piece} bytes) does not fit a "
+                             f"staging slot of {slot} bytes")
         # high priority: a copy kernel waiting for SMs gets the next ones compute frees
         self.load_stream = torch.cuda.Stream(self.device, priority=-1)
         self.backup_stream = torch.cuda.Stream(self.device, priority=-1)
@@ -274,7 +316,9 @@ class CudaTransferEngine(TransferEngine):
         if self._rt is None or len(dev_idx) == 0:
             return "kernel"
         plan = self.plan(dev_idx, host_idx, 0, 1, False)
-        return "copy_engine" if plan.nbytes / plan.n_copies >= self.ce_min_copy_bytes else "kernel"
+        if plan.nbytes / plan.n_copies >= self.ce_min_copy_bytes:
+            return "copy_engine"
+        return "staged" if self.can_stage else "kernel"
 
     # ------------------------------------------------------------------ submission
     def _hazards(self, host_pages: np.ndarray, dev_pages: np.ndarray, backup: bool) -> list[torch.cuda.Event]:
@@ -313,6 +357,10 @@ class CudaTransferEngine(TransferEngine):
             for ev in waits:
                 stream.wait_event(ev)
             keep: tuple[Any, ...] = ()
+            if backend == "staged":
+                staged_events, keep = self._staged(dev_idx, host_idx, to_host, stream, [ready, *waits])
+                self._inflight.append(_InFlight(staged_events[-1], host_pages, dev_pages, to_host))
+                return CudaHandle(L, n, staged_events, backend, self.device, keep)
             if backend == "kernel":
                 idx_host = torch.from_numpy(np.stack([dev_idx, host_idx])).pin_memory()
                 with torch.cuda.stream(stream):
@@ -358,6 +406,82 @@ class CudaTransferEngine(TransferEngine):
             self._inflight.append(_InFlight(events[-1], host_pages, dev_pages, to_host))
         return CudaHandle(L, n, events, backend, self.device, keep, flags)
 
+    def _stager(self, to_host: bool) -> _Stager:
+        st = self._stagers.get(to_host)
+        if st is None:
+            C = self.layout.kv_count
+            slot = self.staging_bytes // 2
+            max_pages = slot // (C * self.layout.bytes_per_layer_piece)
+            st = self._stagers[to_host] = _Stager(self.device, slot, max_pages)
+        return st
+
+    def _staged(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream,
+                deps: list[torch.cuda.Event]) -> tuple[list[torch.cuda.Event], tuple[Any, ...]]:
+        """Submit a staged transfer (see :mod:`hicache.transfer.staged`); returns per-layer events.
+
+        Load, per chunk: the load stream DMAs host runs into a slot, the stage stream scatters the slot
+        into L1. Backup, per chunk: the stage stream gathers L1 into a slot, the backup stream DMAs it
+        out. A slot is refilled only after the previous user of it finished (events ``free``). The last
+        event is recorded on ``stream``, so later work on that stream is ordered after this transfer.
+        """
+        assert self._rt is not None
+        L, C = self.layout.num_layers, self.layout.kv_count
+        g = self.geometry
+        piece = g.piece_bytes
+        st = self._stager(to_host)
+        sst = st.stream
+        for ev in deps:
+            sst.wait_event(ev)
+        idx_host = torch.from_numpy(np.ascontiguousarray(dev_idx, dtype=np.int64)).pin_memory()
+        with torch.cuda.stream(sst):
+            idx = idx_host.to(self.device, non_blocking=True)
+        min_run = self.ce_min_copy_bytes if not to_host else L * C * piece  # backups: whole pages
+        per_group = group_layers(L, C, piece, min_run, st.slot_bytes)
+        events: list[torch.cuda.Event] = []
+        sh, ssh = stream.cuda_stream, sst.cuda_stream
+        for l0 in range(0, L, per_group):
+            ng = min(per_group, L - l0)
+            for ch in plan_group(g.host_base, g.host_page_stride, piece, C, host_idx, l0, ng, st.slot_bytes,
+                                 to_host):
+                s, base = st.take()
+                plan = with_slot_base(ch.plan, base, to_host)
+                n, iptr = ch.i1 - ch.i0, idx.data_ptr() + 8 * ch.i0
+                done = torch.cuda.Event()
+                if to_host:
+                    prev = st.free[s]
+                    if prev is not None:
+                        sst.wait_event(prev)
+                    self.stage_kernel.launch_staged(ssh, iptr, st.pos.data_ptr(), n, l0 * C, ng * C, True, base)
+                    done.record(sst)
+                    stream.wait_event(done)
+                    self._rt.run(plan, sh)
+                    freed = torch.cuda.Event()
+                    freed.record(stream)
+                else:
+                    prev = st.free[s]
+                    if prev is not None:
+                        stream.wait_event(prev)
+                    self._rt.run(plan, sh)
+                    done.record(stream)
+                    sst.wait_event(done)
+                    self.stage_kernel.launch_staged(ssh, iptr, st.pos.data_ptr(), n, l0 * C, ng * C, False, base)
+                    freed = torch.cuda.Event()
+                    freed.record(sst)
+                st.free[s] = freed
+            if not to_host:
+                landed = torch.cuda.Event()
+                landed.record(sst)  # this group is in L1
+                events.extend([landed] * ng)
+        if not to_host:
+            stream.wait_event(events[-1])
+        final = torch.cuda.Event()
+        final.record(stream)
+        if to_host:
+            events = [final] * L
+        else:
+            events[L - ng:] = [final] * ng
+        return events, (idx_host, idx)
+
     def load(self, host_idx: np.ndarray, device_idx: np.ndarray) -> TransferHandle:
         src, dst = self._check(host_idx, device_idx, self.host_pool.num_pages, self.device_pool.num_pages)
         return self._submit(dst, src, to_host=False)
@@ -370,6 +494,8 @@ class CudaTransferEngine(TransferEngine):
         """Block until every submitted transfer has finished."""
         self.load_stream.synchronize()
         self.backup_stream.synchronize()
+        for st in self._stagers.values():
+            st.stream.synchronize()
 
     def close(self) -> None:
         """Finish in-flight copies, then unpin the host pool if this engine pinned it. Idempotent."""
@@ -378,6 +504,7 @@ class CudaTransferEngine(TransferEngine):
         self._closed = True
         self.synchronize()
         self._inflight = []
+        self._stagers.clear()
         self._unregister()
 
     def _unregister(self) -> None:

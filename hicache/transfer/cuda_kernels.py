@@ -27,6 +27,8 @@ VECTOR_WIDTHS = (16, 8, 4, 2, 1)
 DEFAULT_LOAD_BLOCKS = 4
 DEFAULT_BACKUP_BLOCKS = 2
 DEFAULT_BLOCKS = DEFAULT_BACKUP_BLOCKS
+# The staged path's kernel copies device memory to device memory: a short burst on a few SMs per slot.
+DEFAULT_STAGE_BLOCKS = 8
 DEFAULT_THREADS = 1024
 UNROLL = 8  # PAGE_COPY_UNROLL in the source: vectors each thread has in flight
 
@@ -145,6 +147,31 @@ class KernelCopier:
             np.uint64(self._dev_ptrs.data_ptr()), np.uint64(g.host_base), np.int64(g.host_page_stride),
             np.int64(g.host_lc_stride), np.uint64(dev_idx_ptr), np.uint64(host_idx_ptr), np.int64(n_pages),
             np.int32(lc_begin), np.int32(n_lc), np.int64(self.piece_vecs), np.int32(1 if to_host else 0),
+        )
+        with self._cupy.cuda.Device(self.device_index), self._ext_stream(stream_handle):
+            self._kernel((grid,), (self.threads,), args)
+
+    def launch_staged(self, stream_handle: int, dev_idx_ptr: int, pos_idx_ptr: int, n_pages: int, lc_begin: int,
+                      n_lc: int, to_host: bool, slot_base: int) -> None:
+        """Copy between the L1 pool and a device staging slot laid out ``[n_pages, n_lc, piece]``.
+
+        Page ``i`` of the slot (``pos_idx[i]``, normally ``i``) pairs with L1 page ``dev_idx[i]``;
+        ``to_host`` copies L1 -> slot. The slot is addressed like a page-first host buffer whose pages hold
+        just the ``n_lc`` slots from ``lc_begin``; its base must be aligned to the copier's vector width.
+        """
+        if n_pages <= 0 or n_lc <= 0:
+            return
+        if lc_begin < 0 or lc_begin + n_lc > self.geometry.num_lc:
+            raise ValueError(f"slot range [{lc_begin}, {lc_begin + n_lc}) outside [0, {self.geometry.num_lc})")
+        if slot_base % self.width:
+            raise ValueError(f"staging slot base {slot_base:#x} not aligned to {self.width} bytes")
+        piece = self.geometry.piece_bytes
+        grid = self.grid_for(n_pages, n_lc)
+        base = (slot_base - lc_begin * piece) % (1 << 64)  # the kernel adds lc * piece back
+        args = (
+            np.uint64(self._dev_ptrs.data_ptr()), np.uint64(base), np.int64(n_lc * piece), np.int64(piece),
+            np.uint64(dev_idx_ptr), np.uint64(pos_idx_ptr), np.int64(n_pages), np.int32(lc_begin), np.int32(n_lc),
+            np.int64(self.piece_vecs), np.int32(1 if to_host else 0),
         )
         with self._cupy.cuda.Device(self.device_index), self._ext_stream(stream_handle):
             self._kernel((grid,), (self.threads,), args)

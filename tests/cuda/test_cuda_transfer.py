@@ -80,13 +80,22 @@ def _indices(n: int, n_dev: int, n_host: int, seed: int) -> tuple[np.ndarray, np
     return rng.permutation(n_dev)[:n].astype(np.int64), rng.permutation(n_host)[:n].astype(np.int64)
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine"])
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged"])
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize(("layout", "width"), LAYOUTS, ids=IDS)
 def test_load_and_backup_match_torch(layout: KVLayout, width: int, host_layout: str, io_backend: str) -> None:
     n_dev, n_host, n = 37, 41, 23
     dev, host = _pools(layout, n_dev, n_host, host_layout, seed=1)
-    eng = create_engine("cuda", dev, host, io_backend=io_backend)
+    kw = {}
+    if io_backend == "staged":
+        if host_layout == "layer_first":
+            with pytest.raises(ValueError, match="page_first"):
+                create_engine("cuda", dev, host, io_backend=io_backend)
+            return
+        # slots of 3 whole pages: many chunks per transfer, both slots reused across groups
+        kw = {"staging_bytes": 2 * 3 * layout.num_layers * layout.kv_count * layout.bytes_per_layer_piece,
+              "ce_min_copy_bytes": 2 * layout.bytes_per_layer_piece}
+    eng = create_engine("cuda", dev, host, io_backend=io_backend, **kw)
     try:
         if io_backend == "kernel":
             assert eng.kernel.width == width
@@ -169,7 +178,8 @@ BIG = KVLayout(8, 8, 128, "bfloat16", 256)  # 512 KiB pieces: 64 pages = 64 MiB 
 
 
 @pytest.mark.parametrize(("io_backend", "layer_signal", "expect_signal"),
-                         [("kernel", "auto", "flags"), ("kernel", "events", "events"), ("copy_engine", "auto", None)])
+                         [("kernel", "auto", "flags"), ("kernel", "events", "events"), ("copy_engine", "auto", None),
+                          ("staged", "auto", None)])
 def test_layer_visible_after_wait_layer(io_backend: str, layer_signal: str, expect_signal: str | None) -> None:
     """Compute queued after wait_layer(i) sees layer i; the host never blocks; the handle polls."""
     n = 64
@@ -250,11 +260,11 @@ def test_flag_loads_in_sequence_and_from_another_thread() -> None:
         eng.close()
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine"])
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged"])
 def test_backup_waits_for_compute_writer(io_backend: str) -> None:
     """A backup submitted right after the compute stream writes the pages copies the new values."""
     layout = KVLayout(4, 2, 64, "bfloat16", 16)
-    dev, host = _pools(layout, 16, 16, "layer_first", seed=7)
+    dev, host = _pools(layout, 16, 16, "page_first" if io_backend == "staged" else "layer_first", seed=7)
     eng = create_engine("cuda", dev, host, io_backend=io_backend)
     try:
         d, h = _indices(8, 16, 16, seed=8)
@@ -285,11 +295,12 @@ def test_backup_waits_for_compute_writer(io_backend: str) -> None:
         eng.close()
 
 
-def test_load_waits_for_backup_of_same_host_pages() -> None:
+@pytest.mark.parametrize("io_backend", ["kernel", "staged"])
+def test_load_waits_for_backup_of_same_host_pages(io_backend: str) -> None:
     """Load of host pages a running backup is writing sees the backed-up data (cross-stream ordering)."""
     n = 64
     dev, host = _pools(BIG, 2 * n, n, "page_first", seed=10)
-    eng = create_engine("cuda", dev, host, io_backend="kernel")
+    eng = create_engine("cuda", dev, host, io_backend=io_backend)
     try:
         a = np.arange(n, dtype=np.int64)
         b = np.arange(n, 2 * n, dtype=np.int64)
@@ -324,6 +335,33 @@ def test_auto_picks_copy_engine_for_large_runs() -> None:
         assert all(torch.equal(got[x][c], expect[x][c]) for x in range(2) for c in range(2))
     finally:
         eng.close()
+
+
+def test_auto_picks_staged_for_small_pieces_on_page_first_hosts() -> None:
+    layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces: 8 layers make a 64 KiB run per page
+    for host_layout, expect in (("page_first", "staged"), ("layer_first", "kernel")):
+        dev, host = _pools(layout, 48, 48, host_layout, seed=13)
+        eng = create_engine("cuda", dev, host, io_backend="auto")
+        try:
+            d, h = _indices(40, 48, 48, seed=14)
+            assert eng.choose_backend(d, h) == expect
+            before = _snapshot(dev)
+            torch.cuda._sleep(SLEEP_CYCLES)
+            handle = eng.load(h, d)
+            assert handle.backend == expect  # type: ignore[attr-defined]
+            snaps = []
+            for layer in range(layout.num_layers):
+                handle.wait_layer(layer)
+                snaps.append([t.view(torch.uint8).clone() for t in dev.kv[layer]])
+            torch.cuda.synchronize()
+            want = _expect_load(before, host, d, h, {(x, c) for x in range(16) for c in range(2)})
+            for layer in range(layout.num_layers):
+                for c in range(2):
+                    assert torch.equal(snaps[layer][c].cpu(), want[layer][c]), (host_layout, layer, c)
+            if expect == "staged":  # two groups of 8 layers: the first is ready before the whole load
+                assert handle.events[0] is handle.events[7] and handle.events[7] is not handle.events[8]  # type: ignore[attr-defined]
+        finally:
+            eng.close()
 
 
 def _rss_bytes() -> int:
@@ -365,7 +403,7 @@ def test_large_pool_registered_in_place_and_released() -> None:
     assert rss - _rss_bytes() > 5 * 2**30
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "auto"])
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged", "auto"])
 def test_cache_round_trip_through_l2(io_backend: str) -> None:
     """HiCache on the GPU: commit (write-through backup), evict L1, match from L2, load back layer by layer."""
     from hicache.cache import HiCache

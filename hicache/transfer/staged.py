@@ -1,0 +1,93 @@
+"""Staged copy-engine path: small per-layer pieces moved as large DMA copies through a device staging buffer.
+
+With a page-first host pool (``[P, L, C, S, H, D]``) the bytes of one page for a run of consecutive layers
+are contiguous on the host, even when each (layer, K/V) piece is only a few KiB. The staged path copies
+those contiguous runs with the copy engine (large copies run at the link ceiling and use no SMs) into a
+device staging slot, and a short device-to-device gather/scatter kernel (the page-copy kernel of
+``kernels/page_copy.cu``, pointed at the staging slot instead of host memory) moves them between the
+slot and the layer-first L1 pool. Device memory runs at terabytes per second, so the kernel occupies a
+few SMs for a small fraction of the transfer time.
+
+Loads go by layer groups of ``g`` layers (``g`` the fewest layers whose run per page reaches the
+copy-engine threshold), so compute can start on the first group while later ones are in flight; a
+backup moves whole pages. Each direction has two staging slots used in turn: the DMA into (or out of) one
+slot overlaps the kernel on the other.
+
+Planning is pure NumPy (:func:`plan_group`) and needs no GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from hicache.transfer.copy_engine import CopyPlan
+
+
+class StagedChunk(NamedTuple):
+    """Pages ``[i0, i1)`` of a transfer (positions in its page list) for one layer group.
+
+    ``plan`` copies between host memory and the staging slot; staging addresses are offsets from the slot
+    base (add the base before issuing). Page ``i`` sits at slot offset ``(i - i0) * run_bytes``.
+    """
+
+    i0: int
+    i1: int
+    plan: CopyPlan
+
+
+def group_layers(num_layers: int, kv_count: int, piece_bytes: int, min_run_bytes: int, slot_bytes: int) -> int:
+    """Layers per group: the fewest whose per-page run (``g * kv_count * piece_bytes``) reaches
+    ``min_run_bytes``, at most ``num_layers``, and small enough that one page's run fits a slot (0 when
+    not even one layer does)."""
+    per_layer = kv_count * piece_bytes
+    if per_layer > slot_bytes:
+        return 0
+    g = min(num_layers, max(1, math.ceil(min_run_bytes / per_layer)))
+    return min(g, slot_bytes // per_layer)
+
+
+def plan_group(host_base: int, host_page_stride: int, piece_bytes: int, kv_count: int, host_idx: np.ndarray,
+               layer_begin: int, n_layers: int, slot_bytes: int, to_host: bool) -> list[StagedChunk]:
+    """Chunks of the layer group ``[layer_begin, layer_begin + n_layers)`` for host pages ``host_idx``.
+
+    The run of page ``h`` is ``host_base + h * host_page_stride + layer_begin * kv_count * piece_bytes``,
+    ``n_layers * kv_count * piece_bytes`` bytes. Each chunk holds as many pages as fit ``slot_bytes``.
+    When a run is a whole host page, runs of consecutive host pages at consecutive positions merge into
+    one copy. ``to_host`` makes the slot the source and the host the destination.
+    """
+    host_idx = np.asarray(host_idx, dtype=np.int64)
+    run = n_layers * kv_count * piece_bytes
+    if run <= 0 or run > slot_bytes:
+        raise ValueError(f"a run of {run} bytes does not fit a staging slot of {slot_bytes} bytes")
+    per_chunk = slot_bytes // run
+    whole_page = run == host_page_stride
+    off = layer_begin * kv_count * piece_bytes
+    chunks = []
+    for i0 in range(0, len(host_idx), per_chunk):
+        h = host_idx[i0: i0 + per_chunk]
+        n = len(h)
+        if whole_page:
+            brk = np.ones(n, dtype=bool)
+            brk[1:] = np.diff(h) != 1
+            starts = np.flatnonzero(brk)
+            lengths = np.diff(np.append(starts, n))
+        else:
+            starts = np.arange(n)
+            lengths = np.ones(n, dtype=np.int64)
+        host_addr = (host_base + h[starts] * host_page_stride + off).astype(np.uint64)
+        slot_off = (starts * run).astype(np.uint64)
+        size = (lengths * run).astype(np.uint64)
+        plan = CopyPlan(host_addr, slot_off, size) if to_host else CopyPlan(slot_off, host_addr, size)
+        chunks.append(StagedChunk(i0, i0 + n, plan))
+    return chunks
+
+
+def with_slot_base(plan: CopyPlan, slot_base: int, to_host: bool) -> CopyPlan:
+    """``plan`` with its staging offsets turned into device addresses."""
+    base = np.uint64(slot_base)
+    if to_host:
+        return CopyPlan(plan.dst, plan.src + base, plan.size)
+    return CopyPlan(plan.dst + base, plan.src, plan.size)
