@@ -127,7 +127,7 @@ class HiCache:
                                   pin_memory=pin)
         self.has_l2 = config.l2_pages > 0
         io = c.io_backend
-        if io in ("kernel", "copy_engine"):
+        if io in ("kernel", "copy_engine", "staged"):
             self.transfer = create_engine("cuda", self.device_pool, self.host_pool, io_backend=io)
         else:
             self.transfer = create_engine("auto" if io == "auto" else "cpu", self.device_pool, self.host_pool)

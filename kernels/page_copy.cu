@@ -16,10 +16,12 @@
 // The host base is the device-visible address of pinned (or cudaHostRegister'ed) memory, so the
 // kernel reads and writes host memory directly over the link.
 //
-// Work is the flat range [0, n_lc * n_pages * piece_vecs) of vectors, walked with a grid stride, so any
-// grid size is correct and consecutive threads touch consecutive 16-byte vectors of one piece
-// (coalesced). Each thread issues UNROLL independent loads before its stores, keeping enough reads in
-// flight over PCIe for a small grid (2 blocks x 1024 threads) to fill the link. All offsets are 64-bit.
+// Work is the list of (piece, 32 * UNROLL-vector sub-range) items, walked by warps with a grid stride,
+// so any grid size is correct. A warp computes an item's two addresses once and its lanes copy
+// consecutive vectors (coalesced, no per-vector index arithmetic). Each lane issues UNROLL independent loads before its
+// stores, keeping enough reads in flight over PCIe for a small grid to fill the link, and leaving a
+// device-to-device copy (the staged path) bound by memory, not by integer division. All offsets are
+// 64-bit.
 //
 // page_load_layers_W: a whole layer-by-layer load in one launch. Blocks walk the layers in order and,
 // after each layer, count themselves done on counters[layer]; the last block of a layer resets the
@@ -45,34 +47,39 @@ __device__ __forceinline__ void page_copy_impl(const u64* __restrict__ dev_ptrs,
                                                const i64* __restrict__ dev_idx,
                                                const i64* __restrict__ host_idx, i64 n_pages,
                                                int lc_begin, int n_lc, i64 piece_vecs, int to_host) {
-    const i64 per_lc = n_pages * piece_vecs;
-    const i64 total = per_lc * (i64)n_lc;
-    const i64 stride = (i64)gridDim.x * (i64)blockDim.x;
-    for (i64 v = (i64)blockIdx.x * blockDim.x + threadIdx.x; v < total; v += stride * PAGE_COPY_UNROLL) {
+    // Work items are (piece, sub-range of 32 * UNROLL vectors) pairs, walked by warps with a grid stride.
+    // A warp computes its item's two addresses once (two divisions per item, not per vector); each lane
+    // then issues up to UNROLL independent loads of consecutive-by-lane vectors before its stores.
+    const i64 chunk = 32 * PAGE_COPY_UNROLL;
+    const int lane = threadIdx.x & 31;
+    const i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const i64 n_warps = ((i64)gridDim.x * blockDim.x) >> 5;
+    const i64 n_sub = (piece_vecs + chunk - 1) / chunk;
+    const i64 n_items = n_pages * (i64)n_lc * n_sub;
+    for (i64 it = warp; it < n_items; it += n_warps) {
+        const i64 pc = it / n_sub;
+        const i64 e0 = (it - pc * n_sub) * chunk + lane;
+        const i64 lc_off = pc / n_pages;
+        const i64 p = pc - lc_off * n_pages;
+        const i64 lc = (i64)lc_begin + lc_off;
+        V* dptr = reinterpret_cast<V*>(dev_ptrs[lc]) + dev_idx[p] * piece_vecs;
+        V* hptr = reinterpret_cast<V*>(host_base + (u64)(host_idx[p] * host_page_stride) +
+                                       (u64)(lc * host_lc_stride));
+        const V* src = to_host ? dptr : hptr;
+        V* dst = to_host ? hptr : dptr;
         V buf[PAGE_COPY_UNROLL];
-        V* dst[PAGE_COPY_UNROLL];
 #pragma unroll
         for (int u = 0; u < PAGE_COPY_UNROLL; ++u) {
-            const i64 w = v + (i64)u * stride;
-            dst[u] = 0;
-            if (w < total) {
-                const i64 lc_off = w / per_lc;
-                const i64 r = w - lc_off * per_lc;
-                const i64 p = r / piece_vecs;
-                const i64 e = r - p * piece_vecs;
-                const i64 lc = (i64)lc_begin + lc_off;
-                V* dptr = reinterpret_cast<V*>(dev_ptrs[lc]) + dev_idx[p] * piece_vecs + e;
-                V* hptr = reinterpret_cast<V*>(host_base + (u64)(host_idx[p] * host_page_stride) +
-                                               (u64)(lc * host_lc_stride)) + e;
-                const V* src = to_host ? dptr : hptr;
-                dst[u] = to_host ? hptr : dptr;
-                buf[u] = *src;
+            const i64 i = e0 + (i64)u * 32;
+            if (i < piece_vecs) {
+                buf[u] = src[i];
             }
         }
 #pragma unroll
         for (int u = 0; u < PAGE_COPY_UNROLL; ++u) {
-            if (dst[u] != 0) {
-                *dst[u] = buf[u];
+            const i64 i = e0 + (i64)u * 32;
+            if (i < piece_vecs) {
+                dst[i] = buf[u];
             }
         }
     }

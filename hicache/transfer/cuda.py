@@ -45,7 +45,8 @@ I/O backends (``io_backend``):
   host, so they move as one large DMA copy into a device staging slot, and a device-to-device kernel
   burst on a few SMs scatters them into the layer-first pool (backups: gather, then DMA). Small pieces
   then move at the copy engine's full rate. Loads go by groups of layers (the fewest whose run per page
-  reaches ``ce_min_copy_bytes``); every layer of a group is ready at once. See
+  reaches ``ce_min_copy_bytes``); every layer of a group is ready at once. ``staging_bytes`` (default
+  64 MiB per direction, device memory taken on first use) is split into four slots used in turn. See
   :mod:`hicache.transfer.staged`.
 * ``auto``: per transfer, the copy engine when its copies average at least ``ce_min_copy_bytes``
   (default 64 KiB: measured on H200/PCIe Gen5, the copy engine then runs at the link ceiling with
@@ -85,6 +86,7 @@ IoBackend = Literal["kernel", "copy_engine", "staged", "auto"]
 IO_BACKENDS = ("kernel", "copy_engine", "staged", "auto")
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
+STAGE_SLOTS = 4  # staging slots per direction: DMA keeps going while a slot waits for SMs to free it
 
 
 @dataclass(frozen=True)
@@ -147,22 +149,23 @@ class _InFlight:
 
 
 class _Stager:
-    """One direction's staging buffer: two slots used in turn, a stream for the device-side kernel, and
-    for each slot the event after which it may be refilled."""
+    """One direction's staging buffer: slots used in turn, a stream for the device-side kernel, and for
+    each slot the event after which it may be refilled."""
 
-    def __init__(self, device: torch.device, slot_bytes: int, max_pages: int) -> None:
+    def __init__(self, device: torch.device, n_slots: int, slot_bytes: int, max_pages: int) -> None:
         self.slot_bytes = slot_bytes
-        self.buf = torch.empty(2 * slot_bytes + 256, dtype=torch.uint8, device=device)
+        self.n_slots = n_slots
+        self.buf = torch.empty(n_slots * slot_bytes + 256, dtype=torch.uint8, device=device)
         self.base = (self.buf.data_ptr() + 255) // 256 * 256
         self.stream = torch.cuda.Stream(device, priority=-1)
-        self.free: list[torch.cuda.Event | None] = [None, None]
+        self.free: list[torch.cuda.Event | None] = [None] * n_slots
         self.pos = torch.arange(max(max_pages, 1), dtype=torch.int64, device=device)
         self._next = 0
 
     def take(self) -> tuple[int, int]:
         """The next slot to fill: (slot number, device address)."""
         s = self._next
-        self._next ^= 1
+        self._next = (s + 1) % self.n_slots
         return s, self.base + s * self.slot_bytes
 
 
@@ -185,8 +188,8 @@ class CudaTransferEngine(TransferEngine):
             raise ValueError(f"transfer engine 'cuda' needs CuPy: {e}") from e
         if io_backend == "staged" and host_pool.host_layout != "page_first":
             raise ValueError("io_backend 'staged' needs a page_first host pool")
-        if staging_bytes < 2:
-            raise ValueError(f"staging_bytes: must be >= 2, got {staging_bytes}")
+        if staging_bytes < STAGE_SLOTS:
+            raise ValueError(f"staging_bytes: must be >= {STAGE_SLOTS}, got {staging_bytes}")
         self.io_backend: IoBackend = io_backend  # type: ignore[assignment]
         self.staging_bytes = staging_bytes
         self.ce_min_copy_bytes = ce_min_copy_bytes
@@ -243,7 +246,7 @@ class CudaTransferEngine(TransferEngine):
         if io_backend != "kernel":
             self._rt = CudaRuntime.get()
         self._stagers: dict[bool, _Stager] = {}  # per direction (to_host), created on first use
-        slot = self.staging_bytes // 2
+        slot = self.staging_bytes // STAGE_SLOTS
         self.can_stage = (host_pool.host_layout == "page_first" and self._rt is not None
                           and group_layers(L, C, piece, 1, slot) > 0)
         if io_backend == "staged" and not self.can_stage:
@@ -410,9 +413,9 @@ class CudaTransferEngine(TransferEngine):
         st = self._stagers.get(to_host)
         if st is None:
             C = self.layout.kv_count
-            slot = self.staging_bytes // 2
+            slot = self.staging_bytes // STAGE_SLOTS
             max_pages = slot // (C * self.layout.bytes_per_layer_piece)
-            st = self._stagers[to_host] = _Stager(self.device, slot, max_pages)
+            st = self._stagers[to_host] = _Stager(self.device, STAGE_SLOTS, slot, max_pages)
         return st
 
     def _staged(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream,

@@ -131,8 +131,9 @@ class KernelCopier:
         return s
 
     def grid_for(self, n_pages: int, n_lc: int) -> int:
-        total = n_pages * n_lc * self.piece_vecs
-        return max(1, min(self.blocks, -(-total // (self.threads * UNROLL))))
+        chunk = 32 * UNROLL  # vectors of one warp's work item (see the kernel source)
+        items = n_pages * n_lc * -(-self.piece_vecs // chunk)
+        return max(1, min(self.blocks, -(-items * 32 // self.threads)))
 
     def launch(self, stream_handle: int, dev_idx_ptr: int, host_idx_ptr: int, n_pages: int,
                lc_begin: int, n_lc: int, to_host: bool) -> None:

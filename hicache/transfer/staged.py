@@ -10,8 +10,8 @@ few SMs for a small fraction of the transfer time.
 
 Loads go by layer groups of ``g`` layers (``g`` the fewest layers whose run per page reaches the
 copy-engine threshold), so compute can start on the first group while later ones are in flight; a
-backup moves whole pages. Each direction has two staging slots used in turn: the DMA into (or out of) one
-slot overlaps the kernel on the other.
+backup moves whole pages. Each direction has a few staging slots used in turn: the DMA into (or out of)
+one slot overlaps the kernel on another, and keeps going while a kernel waits for SMs.
 
 Planning is pure NumPy (:func:`plan_group`) and needs no GPU.
 """

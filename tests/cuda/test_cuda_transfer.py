@@ -93,7 +93,7 @@ def test_load_and_backup_match_torch(layout: KVLayout, width: int, host_layout: 
                 create_engine("cuda", dev, host, io_backend=io_backend)
             return
         # slots of 3 whole pages: many chunks per transfer, both slots reused across groups
-        kw = {"staging_bytes": 2 * 3 * layout.num_layers * layout.kv_count * layout.bytes_per_layer_piece,
+        kw = {"staging_bytes": 4 * 3 * layout.num_layers * layout.kv_count * layout.bytes_per_layer_piece,
               "ce_min_copy_bytes": 2 * layout.bytes_per_layer_piece}
     eng = create_engine("cuda", dev, host, io_backend=io_backend, **kw)
     try:
