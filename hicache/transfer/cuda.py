@@ -36,10 +36,9 @@ Streams and ordering:
 I/O backends (``io_backend``):
 
 * ``kernel``: the gather/scatter kernels of ``kernels/page_copy.cu`` read and write pinned host memory
-  directly; grid capped at ``blocks`` x ``threads``. Default: 4 x 1024 for loads and 2 x 1024 for
-  backups, the smallest launches measured to fill the link each way on an H200 (reading host memory
-  needs more reads in flight than writing it); more blocks only take SMs away from attention.
-  ``blocks=N`` sets both.
+  directly; grid capped at ``blocks`` x ``threads``. Default: 2 x 1024 each way, the smallest launch
+  measured to reach the kernel's plateau on an H200 (92% of the link reading host memory, 95% writing
+  it); more blocks only take SMs away from attention. ``blocks=N`` sets both.
 * ``copy_engine``: DMA copies, runs merged, ``cudaMemcpyBatchAsync`` where available; uses no SMs.
 * ``staged`` (page-first host pools): each page's bytes for a group of layers are contiguous on the
   host, so they move as one large DMA copy into a device staging slot, and a device-to-device kernel

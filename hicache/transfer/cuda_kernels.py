@@ -21,10 +21,10 @@ import numpy as np
 
 SOURCE_NAME = "page_copy.cu"
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)
-# Smallest grids measured to fill a PCIe Gen5 x16 link on an H200 (2 x 1024 threads per block):
-# reading host memory (loads) needs 4 blocks (2: 77% of the ceiling, 4: 92%, 8: 92%), writing it
-# (backups) 2 (94%). More blocks only take SMs away from attention.
-DEFAULT_LOAD_BLOCKS = 4
+# Smallest grids measured to fill a PCIe Gen5 x16 link on an H200 (1024 threads per block): reading host
+# memory (loads) reaches 92% of the ceiling from 2 blocks (1: 57%, 4 and 8: 92%), writing it (backups)
+# 95% at 2. More blocks only take SMs away from attention.
+DEFAULT_LOAD_BLOCKS = 2
 DEFAULT_BACKUP_BLOCKS = 2
 DEFAULT_BLOCKS = DEFAULT_BACKUP_BLOCKS
 # The staged path's kernel copies device memory to device memory: a short burst on a few SMs per slot.

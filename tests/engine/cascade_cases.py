@@ -45,5 +45,5 @@ def cascade_vs_plain(model: Decoder, seed: int = 0) -> tuple[torch.Tensor, torch
         if cascade:
             taken = model._cascade_tables(batch, PAGE) is not None
         outs.append(model.forward_paged(batch, pool.kv, all_logits=True).cpu())
-    model.cascade = True
+    model.cascade = False
     return outs[0], outs[1], full, taken

@@ -33,6 +33,7 @@ def test_cascade_is_skipped_for_mla_and_short_prefixes() -> None:
 
 def test_rag_batch_through_the_node_equals_recompute() -> None:
     model = Decoder.random(preset("tiny"), SEED)
+    model.cascade = True
     rng = np.random.default_rng(3)
     vocab = model.shape.vocab_size
     doc = rng.integers(0, vocab, 300).tolist()
