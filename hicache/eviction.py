@@ -3,41 +3,102 @@
 A policy maps a tree node to a sort key; the node with the *smallest* key is evicted first. Policies
 see only what the node records (``last_access``, ``hit_count``, ``priority``, ``n_pages``), so they are
 online: they know nothing of future requests.
+
+A policy is either a key function (``@register_policy`` on a function) or a stateful
+:class:`EvictionPolicy` subclass (``@register_policy`` on the class): the tree builds one instance of it,
+binds it to itself and tells it, as they happen, of matches, inserts, splits and removals, so it can
+keep its own per-node state (``TreeNode.meta``) and per-tree state (e.g. what it evicted lately).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hicache.radix import TreeNode
+    from hicache.radix import RadixTree, TreeNode
 
 EvictionKey = Callable[["TreeNode"], Any]
 
+
+class EvictionPolicy:
+    """A policy with state: one instance per tree (``make_policy``), told of what happens to the tree.
+
+    ``key`` orders eviction (smallest first), as a key function does. The hooks run under the tree's
+    lock on every match and insert, so they must be O(1)-ish; they must not change the tree.
+    """
+
+    observes = True  # the tree calls the hooks below
+
+    def bind(self, tree: RadixTree) -> None:
+        """Called once, by the tree the policy serves."""
+
+    def key(self, node: TreeNode) -> Any:
+        raise NotImplementedError
+
+    def on_match(self, node: TreeNode, now: int) -> None:
+        """A lookup (``match`` with touch) used ``node``: a hit of its pages."""
+
+    def on_insert(self, node: TreeNode, now: int, created: bool) -> None:
+        """An insert went through ``node``; ``created``: it is a new leaf (already attached)."""
+
+    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        """``lower`` was cut after its first pages, which now form the new node ``upper`` (its parent)."""
+
+    def on_remove(self, node: TreeNode) -> None:
+        """``node`` left the tree (evicted from its last tier); it is detached right after this call."""
+
+
+class _KeyPolicy(EvictionPolicy):
+    """A key function as an :class:`EvictionPolicy` that observes nothing."""
+
+    observes = False
+
+    def __init__(self, fn: EvictionKey) -> None:
+        self.fn = fn
+        self.key = fn  # type: ignore[method-assign,assignment]  # the bare function: no call in between
+
+
 _POLICIES: dict[str, EvictionKey] = {}
+_STATEFUL: dict[str, type[EvictionPolicy]] = {}
 
 
-def register_policy(name: str) -> Callable[[EvictionKey], EvictionKey]:
-    """Decorator: make ``fn`` selectable as ``eviction_policy: <name>``."""
+def register_policy(name: str) -> Callable[[Any], Any]:
+    """Decorator: make a key function or an :class:`EvictionPolicy` subclass selectable as
+    ``eviction_policy: <name>``."""
 
-    def deco(fn: EvictionKey) -> EvictionKey:
-        _POLICIES[name] = fn
-        return fn
+    def deco(obj: Any) -> Any:
+        if isinstance(obj, type) and issubclass(obj, EvictionPolicy):
+            _STATEFUL[name] = obj
+            _POLICIES.pop(name, None)
+        else:
+            _POLICIES[name] = obj
+            _STATEFUL.pop(name, None)
+        return obj
 
     return deco
 
 
 def get_policy(name: str) -> EvictionKey:
-    try:
-        return _POLICIES[name]
-    except KeyError:
-        raise ValueError(f"eviction_policy: unknown policy {name!r}; known: {sorted(_POLICIES)}") from None
+    """The key function of policy ``name`` (of a fresh instance, for a stateful policy)."""
+    return make_policy(name).key
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """A policy instance for one tree."""
+    cls = _STATEFUL.get(name)
+    if cls is not None:
+        return cls()
+    fn = _POLICIES.get(name)
+    if fn is None:
+        raise ValueError(f"eviction_policy: unknown policy {name!r}; known: {policy_names()}")
+    return _KeyPolicy(fn)
 
 
 def policy_names() -> list[str]:
-    return sorted(_POLICIES)
+    return sorted(set(_POLICIES) | set(_STATEFUL))
 
 
 @register_policy("lru")
@@ -89,3 +150,127 @@ def tail_lru(node: TreeNode) -> Any:
     stream of fresh question tails; on multi-turn chat it orders exactly as LRU does.
     """
     return (not is_one_off_tail(node), node.last_access)
+
+
+class _Birth:
+    """One leaf's insertion: its origin class, and whether a later request already reused it."""
+
+    __slots__ = ("origin", "reused")
+
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+        self.reused = False
+
+
+class _Seen:
+    """``TreeNode.meta`` under :class:`ReuseLRU`: the node's birth (shared by the halves of a split) and
+    whether a request has hit this node's own pages."""
+
+    __slots__ = ("birth", "hit")
+
+    def __init__(self, birth: _Birth, hit: bool) -> None:
+        self.birth = birth
+        self.hit = hit
+
+
+@register_policy("reuse_lru")
+class ReuseLRU(EvictionPolicy):
+    """LRU, except that leaves which are probably never used again go first (LRU among them); what is
+    "probably" is learned online, per origin of a leaf, from what happened to earlier leaves.
+
+    Contract. A new leaf is classed by where it hangs when inserted: ``fresh`` (under the root: new
+    content from its first page), ``extend`` (under a node that had no other child: a conversation's
+    next turn) or ``branch`` (beside siblings: a new question under shared documents, a new tail under
+    a shared prompt). For each origin the policy keeps a decayed share of leaves that a later request
+    reused (``REUSE_DECAY``: the last few hundred births count; prior: one reuse in two, so an origin
+    starts out neutral). A node is *probation* when no request has hit it yet and its origin's reuse
+    share is below ``ONE_OFF_SHARE``; probation nodes are evicted before all others, LRU among each
+    group. Nodes an origin says are likely reused (a conversation's newest turn), and every node a
+    request hit, are kept by plain recency.
+
+    A reuse that comes after the leaf was already evicted still counts, and protects the re-inserted
+    content: the policy remembers the page keys of the last ``GHOST_FACTOR`` x (most pages the tree ever
+    held) pages it removed (a ghost list, as in ARC / 2Q); a new leaf holding one of them counts as a
+    reuse of that earlier birth and starts out hit. Without the ghost, an origin whose leaves are
+    evicted before their reuse would look never-reused and stay in probation for good.
+
+    Why: on traces where new content is mostly requested once (Mooncake: about a third of new
+    documents come back, tails under a shared prefix almost never) plain LRU spends most of its
+    capacity on content never asked for again; on multi-turn chat, where a new leaf is nearly always
+    continued, it orders exactly as LRU does. Online: it uses only past requests.
+
+    Cost: O(1) per key and per touched node (three origins); inserting a leaf looks its page keys up
+    in the ghost list (O(pages), like hashing them); the ghost holds at most ``GHOST_FACTOR`` x peak
+    pages keys (32 bytes each).
+    """
+
+    ONE_OFF_SHARE = 0.5  # below this reuse share a never-hit leaf is more likely wasted than used
+    REUSE_DECAY = 1 / 256  # weight lost per birth: the share follows the last few hundred leaves
+    GHOST_FACTOR = 2.0  # ghost list length, in multiples of the most pages the tree has held
+
+    def bind(self, tree: RadixTree) -> None:
+        self.tree = tree
+        self.births: dict[str, float] = {"fresh": 0.0, "extend": 0.0, "branch": 0.0}
+        self.reuses: dict[str, float] = {"fresh": 0.0, "extend": 0.0, "branch": 0.0}
+        self.ghost: OrderedDict[bytes, _Birth] = OrderedDict()
+        self.peak_pages = 1
+
+    def reuse_share(self, origin: str) -> float:
+        """Decayed share of ``origin``'s leaves that a later request reused (prior 1 in 2)."""
+        return (self.reuses[origin] + 1.0) / (self.births[origin] + 2.0)
+
+    def probation(self, node: TreeNode) -> bool:
+        m = node.meta
+        return m is not None and not m.hit and self.reuse_share(m.birth.origin) < self.ONE_OFF_SHARE
+
+    def key(self, node: TreeNode) -> Any:
+        return (not self.probation(node), node.last_access)
+
+    def _reused(self, birth: _Birth) -> None:
+        if not birth.reused:
+            birth.reused = True
+            self.reuses[birth.origin] += 1.0
+
+    def on_match(self, node: TreeNode, now: int) -> None:
+        m = node.meta
+        if m is not None:
+            m.hit = True
+            self._reused(m.birth)
+
+    def on_insert(self, node: TreeNode, now: int, created: bool) -> None:
+        if not created:
+            return
+        parent = node.parent
+        assert parent is not None
+        origin = "fresh" if parent.parent is None else "extend" if len(parent.children) == 1 else "branch"
+        keep = 1.0 - self.REUSE_DECAY
+        for o in self.births:
+            self.births[o] *= keep
+            self.reuses[o] *= keep
+        self.births[origin] += 1.0
+        hit = False
+        for pk in node.page_keys:
+            earlier = self.ghost.pop(pk, None)
+            if earlier is not None:
+                self._reused(earlier)
+                hit = True
+                break
+        node.meta = _Seen(_Birth(origin), hit)
+        self.peak_pages = max(self.peak_pages, self.tree.device_pages + self.tree.host_pages)
+
+    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        m = lower.meta
+        if m is not None:
+            upper.meta = _Seen(m.birth, m.hit)
+
+    def on_remove(self, node: TreeNode) -> None:
+        m = node.meta
+        if m is None:
+            return
+        ghost = self.ghost
+        for pk in node.page_keys:
+            ghost[pk] = m.birth
+            ghost.move_to_end(pk)
+        cap = int(self.GHOST_FACTOR * self.peak_pages)
+        while len(ghost) > cap:
+            ghost.popitem(last=False)

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hicache.eviction import get_policy
+from hicache.eviction import make_policy
 
 EMPTY = np.empty(0, dtype=np.int64)
 
@@ -40,6 +40,7 @@ class TreeNode:
         "last_access",
         "load_handle",
         "lock_ref",
+        "meta",
         "page_keys",
         "parent",
         "priority",
@@ -58,6 +59,7 @@ class TreeNode:
         self.last_access = 0
         self.priority = 0
         self.load_handle: Any = None  # pending L2->L1 load writing this node's device pages
+        self.meta: Any = None  # owned by a stateful eviction policy (hicache.eviction.EvictionPolicy)
 
     @property
     def n_pages(self) -> int:
@@ -119,7 +121,10 @@ class RadixTree:
         self.stride = page_size * 4
         self.roots: dict[bytes, TreeNode] = {}
         self.policy_name = policy
-        self._policy = get_policy(policy)
+        self.policy = make_policy(policy)
+        self.policy.bind(self)
+        self._policy = self.policy.key
+        self._observe = self.policy.observes  # call the policy's hooks (stateful policies only)
         self._clock = itertools.count(1)
         self.device_pages = 0  # pages on L1 held by the tree
         self.host_pages = 0  # pages on L2 held by the tree
@@ -155,6 +160,8 @@ class RadixTree:
         upper.lock_ref, upper.host_pin = node.lock_ref, node.host_pin
         upper.hit_count, upper.last_access, upper.priority = node.hit_count, node.last_access, node.priority
         upper.load_handle = node.load_handle
+        if self._observe:
+            self.policy.on_split(upper, node)
         node.key = node.key[cut:]
         node.page_keys = node.page_keys[pages:]
         node.device = None if node.device is None else node.device[pages:].copy()
@@ -211,6 +218,8 @@ class RadixTree:
             if touch:
                 node.last_access = now
                 node.hit_count += 1
+                if self._observe:
+                    self.policy.on_match(node, now)
         return TreeMatch(
             last,
             l1,
@@ -271,6 +280,8 @@ class RadixTree:
                     reused[page : page + n] = True
             node.last_access = now
             node.hit_count += 1
+            if self._observe:
+                self.policy.on_insert(node, now, False)
             page += n
         if page < start_page:
             if root.parent is None and not root.children:
@@ -281,6 +292,8 @@ class RadixTree:
             leaf.last_access, leaf.hit_count = now, 1
             self._set_tier(leaf, on_device, idx[page - start_page :].copy())
             node.children[leaf.key[: self.stride]] = leaf
+            if self._observe:
+                self.policy.on_insert(leaf, now, True)
             new_pages += n_pages - page
             node = leaf
         return InsertResult(node, reused, new_pages)
@@ -455,6 +468,8 @@ class RadixTree:
             self.host_pages -= node.n_pages
             node.host = None
         self._emit("removed", node)
+        if self._observe:
+            self.policy.on_remove(node)
         parent = node.parent
         del parent.children[node.key[: self.stride]]
         node.parent = None
