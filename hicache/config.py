@@ -82,7 +82,7 @@ class CacheConfig:
     l2_tokens: int = 262144  # L2 (host) capacity in tokens; 0 disables L2
     host_layout: str = "page_first"
     write_policy: str = "write_through_selective"
-    eviction_policy: str = "tail_lru"  # LRU with one-off tails first (hicache.eviction.tail_lru)
+    eviction_policy: str = "reuse_lru"  # LRU, learned one-off leaves first (hicache.eviction.ReuseLRU)
     io_backend: str = "auto"  # auto | cpu | kernel | copy_engine | staged
 
     def __post_init__(self) -> None:

@@ -31,7 +31,7 @@ def keys_for(tokens: list[int]) -> list[bytes]:
 
 
 class TreeVsModel(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(["lru", "lfu", "priority", "tail_lru"]))
+    @initialize(policy=st.sampled_from(["lru", "lfu", "priority", "tail_lru", "reuse_lru"]))
     def setup(self, policy: str) -> None:
         self.tree = RadixTree(PAGE, policy)
         # model[ns][prefix] = [device_idx | None, host_idx | None]

@@ -1,0 +1,179 @@
+"""Eviction policies on a real RadixTree: what ``reuse_lru`` keeps, what it evicts first, and that no policy
+touches locked or pinned pages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.config import CacheConfig
+from hicache.eviction import ReuseLRU, get_policy, make_policy, policy_names
+from hicache.radix import RadixTree, TreeNode
+
+PAGE = 4
+NS = b"ns"
+
+
+def tb(tokens: list[int]) -> bytes:
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def keys(tokens: list[int]) -> list[bytes]:
+    return [tb(tokens[: (i + 1) * PAGE]) for i in range(len(tokens) // PAGE)]
+
+
+class L1:
+    """An L1-only tree of ``capacity`` pages served request by request, as the cache does: match (locks the
+    hit prefix), free pages by eviction, insert the whole sequence, unlock."""
+
+    def __init__(self, policy: str, capacity: int) -> None:
+        self.tree = RadixTree(PAGE, policy)
+        self.free = list(range(capacity))
+
+    def serve(self, tokens: list[int]) -> int:
+        """Pages of ``tokens`` hit on L1."""
+        b = tb(tokens)
+        m = self.tree.match(NS, b)
+        self.tree.lock(m.l1_node)
+        hit = m.l1_pages
+        need = len(tokens) // PAGE - hit
+        if need > len(self.free):
+            for arr in self.tree.evict_device(need - len(self.free), lambda n: False):
+                self.free.extend(int(x) for x in arr)
+        new = [self.free.pop() for _ in range(need)]
+        dev = np.concatenate([m.device_indices, np.asarray(new, dtype=np.int64)])
+        res = self.tree.insert(NS, b, keys(tokens), device=dev)
+        assert res is not None and not res.reused[hit:].any()
+        self.tree.unlock(m.l1_node)
+        self.tree.check_invariants()
+        return hit
+
+    def cached(self, tokens: list[int]) -> int:
+        return self.tree.match(NS, tb(tokens), touch=False).l1_pages
+
+
+def content(tag: int, pages: int) -> list[int]:
+    """``pages`` pages of tokens unique to ``tag``."""
+    return [tag * 1000 + i for i in range(pages * PAGE)]
+
+
+def test_registry_builds_one_policy_per_tree() -> None:
+    assert "reuse_lru" in policy_names() and CacheConfig.eviction_policy in policy_names()
+    a, b = make_policy("reuse_lru"), make_policy("reuse_lru")
+    assert isinstance(a, ReuseLRU) and a is not b and a.observes
+    assert not make_policy("lru").observes and get_policy("lru")(_leaf(7)) == 7
+    assert callable(get_policy("reuse_lru"))
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("nope")
+
+
+def _leaf(last_access: int) -> TreeNode:
+    node = TreeNode(None, b"", [])
+    node.last_access = last_access
+    return node
+
+
+def _one_off_stream(c: L1, start: int, n: int, pages: int) -> None:
+    for i in range(n):
+        assert c.serve(content(start + i, pages)) == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "reuse_lru"])
+def test_reused_prefix_outlives_a_stream_of_one_offs(policy: str) -> None:
+    c = L1(policy, capacity=16)
+    _one_off_stream(c, 50, 8, 4)  # first, prompts that never come back: "fresh" leaves are one-offs
+    docs = content(1, 6)
+    c.serve(docs + content(2, 1))  # documents and a first question ...
+    assert c.serve(docs + content(3, 1)) == 6  # ... asked about again: a reused prefix
+    _one_off_stream(c, 100, 12, 4)  # 48 pages of prompts nobody asks for again
+    if policy == "lru":
+        assert c.cached(docs) == 0  # recency alone lets the stream push the documents out
+    else:
+        assert c.cached(docs) == 6
+        assert c.tree.policy.reuse_share("fresh") < ReuseLRU.ONE_OFF_SHARE  # type: ignore[attr-defined]
+
+
+def test_question_tails_under_shared_documents_go_first() -> None:
+    c = L1("reuse_lru", capacity=14)
+    docs = content(1, 8)
+    for q in range(2, 12):  # every question is new: the "branch" origin is learned to be one-off
+        c.serve(docs + content(q, 2))
+    policy = c.tree.policy
+    assert isinstance(policy, ReuseLRU)
+    assert policy.reuse_share("branch") < ReuseLRU.ONE_OFF_SHARE
+    assert c.cached(docs) == 8
+    assert c.tree.device_pages <= 14
+
+
+def test_content_reused_after_its_eviction_is_protected_when_it_returns() -> None:
+    c = L1("reuse_lru", capacity=12)
+    _one_off_stream(c, 100, 4, 4)  # "fresh" is now known to be mostly one-off
+    report = content(7, 4)
+    c.serve(report)
+    _one_off_stream(c, 200, 3, 4)
+    assert c.cached(report) == 0  # evicted while it looked like a one-off
+    assert c.serve(report) == 0  # asked for again: the ghost list remembers it
+    node = c.tree.match(NS, tb(report), touch=False).l1_node
+    assert node is not None and node.meta.hit
+    policy = c.tree.policy
+    assert isinstance(policy, ReuseLRU) and not policy.probation(node)
+    _one_off_stream(c, 300, 6, 4)
+    assert c.cached(report) == 4
+
+
+def test_conversations_are_ordered_as_lru_orders_them() -> None:
+    """Multi-turn chat: new turns are nearly always continued, so nothing is put on probation."""
+    order = [int(x) for x in np.random.default_rng(0).integers(6, size=120)]
+    hits = {}
+    for policy in ("lru", "reuse_lru"):
+        c = L1(policy, capacity=40)
+        convs: list[list[int]] = [[] for _ in range(6)]
+        total = 0
+        for step, i in enumerate(order):
+            convs[i] = convs[i] + content(10 * step + i + 1, 1 + step % 3)
+            total += c.serve(convs[i])
+            if len(convs[i]) > 24 * PAGE or step % 25 == 24:
+                convs[i] = []  # that conversation ends; a new one takes its slot
+        hits[policy] = total
+    assert hits["lru"] > 0 and abs(hits["reuse_lru"] - hits["lru"]) <= 0.02 * hits["lru"]  # ties: node ids
+
+
+def test_locked_and_pinned_nodes_are_never_evicted() -> None:
+    tree = RadixTree(PAGE, "reuse_lru")
+    a, b = content(1, 3), content(2, 3)
+    tree.insert(NS, tb(a), keys(a), device=np.arange(3))
+    tree.insert(NS, tb(b), keys(b), device=np.arange(3, 6))
+    locked = tree.match(NS, tb(a)).l1_node
+    tree.lock(locked)
+    freed = tree.evict_device(100, lambda n: False)
+    assert sum(len(f) for f in freed) == 3
+    assert tree.match(NS, tb(a), touch=False).l1_pages == 3 and tree.match(NS, tb(b), touch=False).l1_pages == 0
+    tree.unlock(locked)
+    tree.set_host(locked, np.arange(3))  # back it up on L2, pin it, then evict both tiers
+    tree.pin_host(locked)
+    tree.evict_device(100, lambda n: False)
+    assert tree.evict_host(100) == []
+    assert tree.match(NS, tb(a), touch=False).l2_pages == 3
+    tree.unpin_host(locked)
+    assert sum(len(f) for f in tree.evict_host(100)) == 3
+    tree.check_invariants()
+
+
+def test_split_halves_share_their_birth_but_not_their_hits() -> None:
+    tree = RadixTree(PAGE, "reuse_lru")
+    long = content(1, 4)
+    tree.insert(NS, tb(long), keys(long), device=np.arange(4))
+    other = long[: 2 * PAGE] + content(2, 1)
+    m = tree.match(NS, tb(other))  # splits after two pages and hits the upper half only
+    upper = m.l1_node
+    assert upper is not None and upper.n_pages == 2
+    (lower,) = upper.children.values()
+    assert upper.meta.hit and not lower.meta.hit and upper.meta.birth is lower.meta.birth
+
+
+def test_ghost_list_is_bounded() -> None:
+    c = L1("reuse_lru", capacity=8)
+    _one_off_stream(c, 100, 50, 2)
+    policy = c.tree.policy
+    assert isinstance(policy, ReuseLRU)
+    assert 0 < len(policy.ghost) <= ReuseLRU.GHOST_FACTOR * policy.peak_pages <= ReuseLRU.GHOST_FACTOR * 8
