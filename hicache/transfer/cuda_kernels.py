@@ -130,8 +130,12 @@ class KernelCopier:
             self._streams[handle] = s
         return s
 
-    def grid_for(self, n_pages: int, n_lc: int) -> int:
-        chunk = 32 * UNROLL  # vectors of one warp's work item (see the kernel source)
+    def grid_for(self, n_pages: int, n_lc: int, to_host: bool = False) -> int:
+        """Blocks for a copy: no more than its work fills (see the kernel source), at most ``blocks``."""
+        if to_host:  # flat vector range, UNROLL vectors per thread
+            total = n_pages * n_lc * self.piece_vecs
+            return max(1, min(self.blocks, -(-total // (self.threads * UNROLL))))
+        chunk = 32 * UNROLL  # vectors of one warp's work item
         items = n_pages * n_lc * -(-self.piece_vecs // chunk)
         return max(1, min(self.blocks, -(-items * 32 // self.threads)))
 
@@ -143,7 +147,7 @@ class KernelCopier:
         if lc_begin < 0 or lc_begin + n_lc > self.geometry.num_lc:
             raise ValueError(f"slot range [{lc_begin}, {lc_begin + n_lc}) outside [0, {self.geometry.num_lc})")
         g = self.geometry
-        grid = self.grid_for(n_pages, n_lc)
+        grid = self.grid_for(n_pages, n_lc, to_host)
         args = (
             np.uint64(self._dev_ptrs.data_ptr()), np.uint64(g.host_base), np.int64(g.host_page_stride),
             np.int64(g.host_lc_stride), np.uint64(dev_idx_ptr), np.uint64(host_idx_ptr), np.int64(n_pages),
@@ -167,7 +171,7 @@ class KernelCopier:
         if slot_base % self.width:
             raise ValueError(f"staging slot base {slot_base:#x} not aligned to {self.width} bytes")
         piece = self.geometry.piece_bytes
-        grid = self.grid_for(n_pages, n_lc)
+        grid = self.grid_for(n_pages, n_lc, to_host)
         base = (slot_base - lc_begin * piece) % (1 << 64)  # the kernel adds lc * piece back
         args = (
             np.uint64(self._dev_ptrs.data_ptr()), np.uint64(base), np.int64(n_lc * piece), np.int64(piece),
