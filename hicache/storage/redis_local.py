@@ -124,11 +124,15 @@ class LocalRedis:
 
 
 class LocalSentinel:
-    """One Sentinel watching ``master`` as ``service`` (quorum 1), for ``redis+sentinel://`` URLs."""
+    """One Sentinel watching ``master`` as ``service`` (quorum 1), for ``redis+sentinel://`` URLs.
 
-    def __init__(self, master: LocalRedis, service: str = "mymaster") -> None:
+    ``options`` are more ``sentinel <option> <service> <value>`` lines, e.g. ``down-after-milliseconds``.
+    """
+
+    def __init__(self, master: LocalRedis, service: str = "mymaster", options: dict[str, str] | None = None) -> None:
         self.master = master
         self.service = service
+        self.options = dict(options or {})
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix=f"hicache-sentinel-{self.port}-"))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -140,8 +144,9 @@ class LocalSentinel:
     def start(self, timeout_s: float = 10.0) -> LocalSentinel:
         conf = self.dir / "sentinel.conf"
         auth = f"sentinel auth-pass {self.service} {self.master.password}\n" if self.master.password else ""
+        more = "".join(f"sentinel {k} {self.service} {v}\n" for k, v in self.options.items())
         conf.write_text(f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\nprotected-mode no\n"
-                        f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n{auth}")
+                        f"sentinel monitor {self.service} 127.0.0.1 {self.master.port} 1\n{auth}{more}")
         binary = redis_server_binary()
         assert binary is not None
         self.proc = subprocess.Popen([binary, str(conf), "--sentinel", "--logfile", str(self.dir / "log")],

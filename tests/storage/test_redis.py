@@ -140,6 +140,41 @@ def test_sentinel_url_finds_the_master(open_backend, prefix) -> None:
         c.close()
 
 
+def test_sentinel_failover_keeps_pages_and_serving(open_backend, prefix) -> None:
+    """SIGKILL the master: the Sentinel promotes the replica, the backend follows it, the pages written
+    before the failover (replicated) are still read back, and new pages are stored on the new master."""
+    from hicache.storage.redis_local import LocalSentinel
+    with LocalRedis(password="pw") as m, \
+            LocalRedis(password="pw", extra=("--replicaof", "127.0.0.1", str(m.port), "--masterauth", "pw")) as rep, \
+            LocalSentinel(m, "kv", {"down-after-milliseconds": "300", "failover-timeout": "3000"}) as s:
+        b = open_backend(s.url.replace("redis+sentinel://", "redis+sentinel://:pw@"), prefix=prefix, **FAST_FAIL)
+        keys = page_keys(16, "failover")
+        src, dst = make_pool(32, seed=17), make_pool(32, seed=None)
+        assert b.batch_set(keys[:8], src, list(range(8))) == 8
+        mc = m.client()
+        assert mc.execute_command("WAIT", 1, 5000) == 1  # the replica has them
+        mc.close()
+        m.kill()
+        rc = rep.client()
+        deadline = time.monotonic() + 20
+        while rc.info("replication")["role"] != "master":
+            assert time.monotonic() < deadline, "the sentinel did not promote the replica"
+            time.sleep(0.1)
+        rc.close()
+        got = 0
+        while got != 8:  # the first calls may still reach the dead master; they are misses, not errors
+            assert time.monotonic() < deadline, "the backend did not follow the failover"
+            got = b.batch_get(keys[:8], dst, list(range(8)))
+            time.sleep(0.05)
+        assert pages_equal(src, dst, list(range(8)), list(range(8)))
+        assert b.batch_set(keys[8:], src, list(range(8, 16))) == 8
+        assert b.batch_get(keys[8:], dst, list(range(8, 16))) == 8
+        assert pages_equal(src, dst, list(range(8, 16)), list(range(8, 16)))
+        rc = rep.client()
+        assert rc.exists(b.redis_key(keys[15])) == 1  # written to the promoted replica
+        rc.close()
+
+
 def _make_certs(d) -> tuple[str, str, str]:  # type: ignore[no-untyped-def]
     import subprocess
     ca_key, ca, key, csr, crt = (str(d / n) for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt"))
