@@ -182,12 +182,16 @@ class LocalSentinel:
 
 
 class LocalRedisCluster:
-    """``masters`` cluster-enabled servers joined into one Cluster (no replicas), slots split evenly."""
+    """``masters`` cluster-enabled servers joined into one Cluster, slots split evenly, each master with
+    ``replicas`` replicas (``nodes``: the masters first). ``node_timeout_ms`` is how long a node may be
+    unreachable before the others fail it over (Redis' default when None)."""
 
-    def __init__(self, masters: int = 3) -> None:
+    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int | None = None) -> None:
         if masters < 3:
             raise ValueError("a Redis Cluster needs at least 3 masters")
-        self.nodes = [LocalRedis(cluster=True) for _ in range(masters)]
+        extra = ("--cluster-node-timeout", str(node_timeout_ms)) if node_timeout_ms else ()
+        self.replicas = replicas
+        self.nodes = [LocalRedis(cluster=True, extra=extra) for _ in range(masters * (1 + replicas))]
 
     @property
     def url(self) -> str:
@@ -204,7 +208,7 @@ class LocalRedisCluster:
             cli = shutil.which("redis-cli")
             if cli is None:
                 raise RuntimeError("redis-cli is not installed (it comes with redis-server / redis-tools)")
-            subprocess.run([cli, "--cluster", "create", *self.addresses, "--cluster-replicas", "0",
+            subprocess.run([cli, "--cluster", "create", *self.addresses, "--cluster-replicas", str(self.replicas),
                             "--cluster-yes"], check=True, capture_output=True, timeout=timeout_s)
             deadline = time.monotonic() + timeout_s
             while not self._all_ok():

@@ -175,6 +175,41 @@ def test_sentinel_failover_keeps_pages_and_serving(open_backend, prefix) -> None
         rc.close()
 
 
+def test_cluster_failover_keeps_pages_and_serving(open_backend, prefix) -> None:
+    """A 3-master Cluster with a replica each: SIGKILL a master, its replica takes over its slots, the
+    backend follows the new slot map, and every page written before (replicated) still reads back."""
+    from hicache.storage.redis_local import LocalRedisCluster
+    with LocalRedisCluster(3, replicas=1, node_timeout_ms=500) as cl:
+        b = open_backend(cl.url, prefix=prefix, **FAST_FAIL)
+        keys = page_keys(48, "cluster-failover")
+        src, dst = make_pool(64, seed=19), make_pool(64, seed=None)
+        assert b.batch_set(keys[:32], src, list(range(32))) == 32
+        def role(n: LocalRedis) -> bytes:
+            c = n.client()
+            try:
+                return c.execute_command("ROLE")[0]
+            finally:
+                c.close()
+
+        victim = next(n for n in cl.nodes if role(n) == b"master")
+        vc = victim.client()
+        assert vc.execute_command("WAIT", 1, 5000) == 1
+        held = vc.dbsize()
+        vc.close()
+        assert held > 0  # the victim holds some of the pages
+        victim.kill()
+        deadline = time.monotonic() + 30
+        got = 0
+        while got != 32:  # misses until a replica is promoted and the client has the new slot map
+            assert time.monotonic() < deadline, "the cluster did not fail over, or the backend did not follow"
+            got = b.batch_get(keys[:32], dst, list(range(32)))
+            time.sleep(0.1)
+        assert pages_equal(src, dst, list(range(32)), list(range(32)))
+        assert b.batch_set(keys[32:], src, list(range(32, 48))) == 16
+        assert b.batch_get(keys[32:], dst, list(range(32, 48))) == 16
+        assert pages_equal(src, dst, list(range(32, 48)), list(range(32, 48)))
+
+
 def _make_certs(d) -> tuple[str, str, str]:  # type: ignore[no-untyped-def]
     import subprocess
     ca_key, ca, key, csr, crt = (str(d / n) for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt"))
