@@ -140,6 +140,21 @@ def test_sentinel_url_finds_the_master(open_backend, prefix) -> None:
         c.close()
 
 
+def _serves_after_failover(b, keys: list[bytes], n_old: int, src, dst, deadline: float) -> None:  # type: ignore[no-untyped-def]
+    """The first ``n_old`` pages (written before the failover) read back once the backend follows the new
+    master -- until then reads are misses, not errors -- and the rest are stored and read back after it."""
+    old, new = list(range(n_old)), list(range(n_old, len(keys)))
+    got = 0
+    while got != n_old:
+        assert time.monotonic() < deadline, "the store did not fail over, or the backend did not follow"
+        got = b.batch_get(keys[:n_old], dst, old)
+        time.sleep(0.05)
+    assert pages_equal(src, dst, old, old)
+    assert b.batch_set(keys[n_old:], src, new) == len(new)
+    assert b.batch_get(keys[n_old:], dst, new) == len(new)
+    assert pages_equal(src, dst, new, new)
+
+
 def test_sentinel_failover_keeps_pages_and_serving(open_backend, prefix) -> None:
     """SIGKILL the master: the Sentinel promotes the replica, the backend follows it, the pages written
     before the failover (replicated) are still read back, and new pages are stored on the new master."""
@@ -161,15 +176,7 @@ def test_sentinel_failover_keeps_pages_and_serving(open_backend, prefix) -> None
             assert time.monotonic() < deadline, "the sentinel did not promote the replica"
             time.sleep(0.1)
         rc.close()
-        got = 0
-        while got != 8:  # the first calls may still reach the dead master; they are misses, not errors
-            assert time.monotonic() < deadline, "the backend did not follow the failover"
-            got = b.batch_get(keys[:8], dst, list(range(8)))
-            time.sleep(0.05)
-        assert pages_equal(src, dst, list(range(8)), list(range(8)))
-        assert b.batch_set(keys[8:], src, list(range(8, 16))) == 8
-        assert b.batch_get(keys[8:], dst, list(range(8, 16))) == 8
-        assert pages_equal(src, dst, list(range(8, 16)), list(range(8, 16)))
+        _serves_after_failover(b, keys, 8, src, dst, deadline)
         rc = rep.client()
         assert rc.exists(b.redis_key(keys[15])) == 1  # written to the promoted replica
         rc.close()
@@ -198,16 +205,7 @@ def test_cluster_failover_keeps_pages_and_serving(open_backend, prefix) -> None:
         vc.close()
         assert held > 0  # the victim holds some of the pages
         victim.kill()
-        deadline = time.monotonic() + 30
-        got = 0
-        while got != 32:  # misses until a replica is promoted and the client has the new slot map
-            assert time.monotonic() < deadline, "the cluster did not fail over, or the backend did not follow"
-            got = b.batch_get(keys[:32], dst, list(range(32)))
-            time.sleep(0.1)
-        assert pages_equal(src, dst, list(range(32)), list(range(32)))
-        assert b.batch_set(keys[32:], src, list(range(32, 48))) == 16
-        assert b.batch_get(keys[32:], dst, list(range(32, 48))) == 16
-        assert pages_equal(src, dst, list(range(32, 48)), list(range(32, 48)))
+        _serves_after_failover(b, keys, 32, src, dst, time.monotonic() + 30)
 
 
 def _make_certs(d) -> tuple[str, str, str]:  # type: ignore[no-untyped-def]
