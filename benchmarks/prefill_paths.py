@@ -6,13 +6,13 @@ on the model alone (no cache bookkeeping): a ``doc``-token document is written o
 
 * ``nocache``: one request of ``doc + question`` tokens prefilled from scratch (the baseline; its cost
   per token is what the ideal speedup assumes for every computed token);
-* ``padded``: ``batch`` questions of ``question`` tokens over the cached document, one padded attention
-  call per layer (the default path);
-* ``cascade``: the same batch with cascade attention (the shared document once, unmasked, merged by
-  log-sum-exp with each question's own keys).
+* ``ragged``: ``batch`` questions of ``question`` tokens over the cached document: the document's K/V
+  once for every query (unmasked), each question's own keys packed, merged by log-sum-exp (the default);
+* ``padded``: the same batch with every segment's pages gathered into one padded tensor and masked.
 
 For each path: median milliseconds, cost per computed token relative to ``nocache``, and the share of
-the ideal RAG speedup it implies (first request computed in full, the rest as one suffix batch).
+the ideal RAG speedup it implies (first request computed in full, the rest as one suffix batch); then
+one decode step of the whole batch on each path.
 
     PYTHONPATH=. python benchmarks/prefill_paths.py            # 8B-shaped, bf16, GPU
     PYTHONPATH=. python benchmarks/prefill_paths.py --quick    # tiny model on CPU
@@ -87,9 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     def nocache() -> None:
         model.forward_paged(make_batch([full], [0], [fresh], S, device), pool.kv)
 
-    def suffix(cascade: bool) -> None:
-        model.cascade = cascade
+    def suffix(path: str) -> None:
+        model.attention_path = path
         model.forward_paged(make_batch(qs, [prefix] * a.batch, tables, S, device), pool.kv)
+
+    def decode(path: str) -> None:
+        model.attention_path = path
+        model.forward_paged(make_batch([[1]] * a.batch, [prefix + a.question] * a.batch, tables, S, device), pool.kv)
 
     t_nc = _time(nocache, device, a.reps)
     per_tok_nc = t_nc / len(full)
@@ -100,15 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {a.model} {str(dtype).removeprefix('torch.')} on {device.type}: document {a.doc}, "
           f"{a.batch} x {a.question}-token questions, page {S}; ideal RAG speedup {ideal:.1f}x")
     print(f"nocache  {1e3 * t_nc:8.1f} ms for {len(full)} tokens ({1e6 * per_tok_nc:.1f} us/token)")
-    for name, cascade in (("padded", False), ("cascade", True)):
-        t = _time(lambda c=cascade: suffix(c), device, a.reps)
+    for name in ("ragged", "padded"):
+        t = _time(lambda p=name: suffix(p), device, a.reps)
         ratio = t / (a.batch * a.question) / per_tok_nc
         speedup = (a.batch + 1) * t_nc / (t_nc + t)
         rows[name] = {"ms": 1e3 * t, "tokens": a.batch * a.question, "cost_ratio": ratio,
                       "rag_speedup": speedup, "of_ideal": speedup / ideal}
         print(f"{name:8s} {1e3 * t:8.1f} ms for {a.batch * a.question} tokens: {ratio:.2f}x the no-cache cost "
               f"per token -> RAG {speedup:.1f}x = {speedup / ideal:.0%} of ideal")
-    model.cascade = False
+    base = None
+    for name in ("ragged", "padded"):
+        t = _time(lambda p=name: decode(p), device, a.reps)
+        base = base or t
+        rows[f"decode_{name}"] = {"ms": 1e3 * t, "vs_ragged": t / base}
+        print(f"decode {name:8s} {1e3 * t:8.2f} ms per step of {a.batch} sequences ({t / base:.2f}x ragged)")
+    model.attention_path = "ragged"
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(a), "device": device.type, "ideal": ideal, "rows": rows}, indent=2))

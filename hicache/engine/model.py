@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from hicache.engine.attention import RaggedTables, ragged_attend, ragged_tables
 from hicache.engine.shape import ModelShape
 from hicache.engine.weights import Weights, random_weights
 
@@ -41,21 +42,8 @@ class Segment:
 
 PADDED_MAX_SUFFIX = 1024  # batches whose suffixes are all at most this long attend in one padded call
 PADDED_MAX_BIAS = 1 << 28  # ... if the additive mask stays below this many elements
-CASCADE_MIN_SHARED = 256  # shared-prefix tokens from which a batch attends in cascade
-CASCADE_MAX_SCORES = 1 << 26  # ... if the per-segment part's fp32 scores stay below this many elements
-
-
-@dataclass
-class _Cascade:
-    """A prefill batch whose segments all start with the same cached pages: every query attends to that
-    shared prefix in one unmasked call (its K/V gathered once), and to its own remaining keys in a small
-    masked call; the two partial softmaxes merge through their log-sum-exps."""
-
-    shared: torch.Tensor  # int64 [n_shared]: the common first pages
-    own: torch.Tensor  # int64 [B, maxR]: each segment's pages after them, padded with page 0
-    rows: torch.Tensor  # int64 [T]: row b * nmax + i of each new token in the padded layout
-    mask: torch.Tensor  # bool [B, 1, 1, nmax, maxR * S]: own key j visible to query i
-    nmax: int
+RAGGED_MIN_SHARED = 256  # common cached tokens from which the ragged path attends to them once for all
+ATTENTION_PATHS = ("ragged", "padded")
 
 
 @dataclass
@@ -108,22 +96,6 @@ def make_batch(tokens: Sequence[Sequence[int]], prefixes: Sequence[int],
                  (positions % page_size).to(device), segs, all(s.length == 1 for s in segs))
 
 
-def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unmasked attention with its log-sum-exp: q [B, H, M, D], k/v [B, H, N, D] -> (out [B, H, M, D],
-    lse fp32 [B, H, M]). The flash kernel on a GPU in 16-bit floats; exact fp32 math otherwise."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        try:
-            res = torch.ops.aten._scaled_dot_product_flash_attention(
-                q.contiguous(), k.contiguous(), v.contiguous(), 0.0, False, False, scale=scale)
-            return res[0], res[1].float()
-        except (RuntimeError, NotImplementedError):  # no flash kernel for this shape here: exact math below
-            pass
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse
-
-
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
@@ -144,10 +116,10 @@ class Decoder:
         self.shape = shape
         self.dtype = dtype
         self.device = torch.device(device)
-        # Cascade attention for prefill batches over a shared cached prefix (see _Cascade): exact, but in
-        # this form (flash for the shared part, fp32 math for the own parts) it measured slower than the
-        # padded path on an H200 (8B-shaped RAG prefill 74% vs 83% of the ideal speedup), so it is opt-in.
-        self.cascade = False
+        # How batches over cached pages attend (MHA / GQA; MLA always takes "padded"): "ragged" packs the
+        # segments without padding and attends to a prefix they all share once (see attention.py);
+        # "padded" gathers every segment's pages into one padded tensor and masks.
+        self.attention_path = "ragged"
         self.w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
         rd = shape.rope_dim if shape.attention == "mla" else shape.head_dim
         self._inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float64, device=self.device)
@@ -255,10 +227,10 @@ class Decoder:
         cos, sin = self._rope_tables(batch.positions)
         h = self.w["model.embed_tokens.weight"][batch.tokens]
         lengths = [g.length for g in batch.segments]
-        if batch.decode:
+        ragged = self._ragged_tables(batch, S)
+        if batch.decode and ragged is None:
             dec_pages, dec_mask = self._decode_tables(batch, S)
-        cascade = None if batch.decode else self._cascade_tables(batch, S)
-        padded = None if batch.decode or cascade is not None else self._padded_tables(batch, S)
+        padded = None if batch.decode or ragged is not None else self._padded_tables(batch, S)
         for layer in range(s.num_layers):
             x = _rms_norm(h, self.w[f"model.layers.{layer}.input_layernorm.weight"], s.norm_eps)
             q, pieces = self._project(layer, x, cos, sin)
@@ -267,11 +239,11 @@ class Decoder:
             pool = kv[layer]
             for c, piece in enumerate(pieces):
                 pool[c][batch.write_page, batch.write_slot] = piece
-            if batch.decode:
+            if ragged is not None:
+                o = ragged_attend(q, pool[0], pool[1], ragged, s.head_dim ** -0.5).flatten(1)
+            elif batch.decode:
                 gathered = [pool[c][dec_pages].flatten(1, 2) for c in range(len(pieces))]  # [B, N, Hs, Ds]
                 o = self._decode_attend(layer, q, gathered, dec_mask)
-            elif cascade is not None:
-                o = self._cascade_attend(q, pool, cascade)
             elif padded is not None:
                 o = self._padded_attend(layer, q, pool, len(pieces), padded)
             else:
@@ -294,71 +266,17 @@ class Decoder:
             h = h[last]
         return self._logits(h)
 
-    def _cascade_tables(self, batch: Batch, S: int) -> _Cascade | None:
-        """Tables for cascade attention, or None when the batch does not fit it (one segment, MLA, a
-        shared prefix under ``CASCADE_MIN_SHARED`` tokens, or too many own keys)."""
+    def _ragged_tables(self, batch: Batch, S: int) -> RaggedTables | None:
+        """Tables of the ragged path, or None where another path serves: MLA, ``attention_path`` not
+        "ragged", or a single segment with nothing cached (it attends over the K/V it just computed)."""
         segs = batch.segments
-        if not self.cascade or len(segs) < 2 or self.shape.attention == "mla":
+        if self.attention_path not in ATTENTION_PATHS:
+            raise ValueError(f"Decoder.attention_path: {self.attention_path!r} is not one of {ATTENTION_PATHS}")
+        if self.shape.attention == "mla" or self.attention_path != "ragged" or (len(segs) == 1 and not segs[0].prefix):
             return None
         host = [g.pages_host if g.pages_host is not None else g.pages.cpu() for g in segs]
-        limit = min(g.prefix // S for g in segs)  # shared pages must be cached for every segment
-        first = host[0][:limit]
-        n_shared = limit
-        for pg in host[1:]:
-            diff = torch.nonzero(pg[:n_shared] != first[:n_shared])
-            n_shared = min(n_shared, int(diff[0, 0]) if len(diff) else n_shared)
-        if n_shared * S < CASCADE_MIN_SHARED:
-            return None
-        nmax = max(g.length for g in segs)
-        ends = [-(-(g.prefix + g.length) // S) for g in segs]
-        max_own = max(e - n_shared for e in ends)
-        if len(segs) * self.shape.num_q_heads * nmax * max_own * S > CASCADE_MAX_SCORES:
-            return None
-        own = torch.zeros(len(segs), max_own, dtype=torch.int64)
-        rows = torch.empty(batch.num_tokens, dtype=torch.int64)
-        off = 0
-        for b, g in enumerate(segs):
-            own[b, : ends[b] - n_shared] = host[b][n_shared: ends[b]]
-            rows[off: off + g.length] = torch.arange(b * nmax, b * nmax + g.length)
-            off += g.length
-        dev = self.device
-        prefix = torch.tensor([g.prefix for g in segs], device=dev)
-        qpos = prefix[:, None] + torch.arange(nmax, device=dev)[None, :]  # [B, nmax]
-        kpos = n_shared * S + torch.arange(max_own * S, device=dev)
-        mask = kpos[None, None, :] <= qpos[:, :, None]  # [B, nmax, R]; padding rows see >= 1 key
-        return _Cascade(first[:n_shared].to(dev), own.to(dev), rows.to(dev), mask[:, None, None], nmax)
-
-    def _cascade_attend(self, q: torch.Tensor, pool: list[torch.Tensor], c: _Cascade) -> torch.Tensor:
-        """q [T, Hq, D] over the shared pages (unmasked) and each segment's own pages (masked), merged by
-        log-sum-exp: softmax over the union of keys, exactly. -> [T, Hq * D]."""
-        T, Hq, D = q.shape
-        hk = self.shape.num_kv_heads
-        rep = Hq // hk
-        scale = D ** -0.5
-        # shared part: rows (r, t) of KV head k are query head k * rep + r of token t
-        ks = pool[0][c.shared].flatten(0, 1).transpose(0, 1).unsqueeze(0)  # [1, Hk, N, D]
-        vs = pool[1][c.shared].flatten(0, 1).transpose(0, 1).unsqueeze(0)
-        qa = q.view(T, hk, rep, D).permute(1, 2, 0, 3).reshape(1, hk, rep * T, D)
-        oa, la = _attention_lse(qa, ks, vs, scale)
-        oa = oa.view(hk, rep, T, D).permute(2, 0, 1, 3).reshape(T, Hq, D)
-        la = la.view(hk, rep, T).permute(2, 0, 1).reshape(T, Hq)
-        # own part: padded per segment, the rep query heads of a KV head side by side
-        B, nmax = c.own.shape[0], c.nmax
-        qp = q.new_zeros(B * nmax, Hq, D)
-        qp[c.rows] = q
-        qg = qp.view(B, nmax, hk, rep, D).permute(0, 2, 3, 1, 4).float()  # [B, Hk, rep, nmax, D]
-        ko = pool[0][c.own].flatten(1, 2).permute(0, 2, 1, 3).unsqueeze(2).float()  # [B, Hk, 1, R, D]
-        vo = pool[1][c.own].flatten(1, 2).permute(0, 2, 1, 3).unsqueeze(2).float()
-        scores = torch.matmul(qg, ko.transpose(-1, -2)) * scale
-        scores.masked_fill_(~c.mask, float("-inf"))
-        lb = torch.logsumexp(scores, dim=-1)  # [B, Hk, rep, nmax]
-        ob = torch.matmul(torch.exp(scores - lb.unsqueeze(-1)), vo)  # [B, Hk, rep, nmax, D]
-        ob = ob.permute(0, 3, 1, 2, 4).reshape(B * nmax, Hq, D)[c.rows]
-        lb = lb.permute(0, 3, 1, 2).reshape(B * nmax, Hq)[c.rows]
-        m = torch.maximum(la, lb)
-        wa, wb = torch.exp(la - m).unsqueeze(-1), torch.exp(lb - m).unsqueeze(-1)
-        o = (oa.float() * wa + ob * wb) / (wa + wb)
-        return o.to(q.dtype).reshape(T, Hq * D)
+        return ragged_tables(host, [g.prefix for g in segs], [g.length for g in segs], S, RAGGED_MIN_SHARED,
+                             self.device)
 
     def _padded_tables(self, batch: Batch, S: int) -> _Padded | None:
         """Tables for one attention call over many short suffixes (prefill of cached prompts), or None when

@@ -35,12 +35,40 @@ def test_gpu_l2_hits_equal_full_recompute(name: str) -> None:
         gpu_cache.check_integrity()
 
 
-def test_cascade_bf16_on_gpu_matches_plain() -> None:
-    """The flash-kernel cascade (bf16) agrees with the padded path to bf16 rounding."""
-    from .cascade_cases import cascade_vs_plain
+def test_ragged_bf16_on_gpu_matches_padded() -> None:
+    """The flash-kernel ragged path (bf16) agrees with the padded path to bf16 rounding."""
+    from hicache.engine import attention
+
+    from .ragged_cases import PAGE, SHARED, ragged_vs_padded
 
     model = Decoder.random(preset("small"), SEED, torch.bfloat16, "cuda")
-    got, plain, _, taken = cascade_vs_plain(model)
-    assert taken
-    assert float((got - plain).norm() / plain.norm()) < 2e-2
-    assert float((got.argmax(-1) == plain.argmax(-1)).float().mean()) > 0.9
+    got, padded, _, shared = ragged_vs_padded(model)
+    assert shared == SHARED * PAGE
+    assert not attention._FLASH_BROKEN  # the flash kernel ran, not the exact fallback
+    assert float((got - padded).norm() / padded.norm()) < 2e-2
+    assert float((got.argmax(-1) == padded.argmax(-1)).float().mean()) > 0.9
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_flash_matches_exact_contract(causal: bool) -> None:
+    """Flash (bf16) against the exact fp32 path: GQA head mapping, bottom-right causal alignment for
+    segments with more keys than queries, and the packed [Hq, Tq] log-sum-exp."""
+    from hicache.engine import attention
+
+    g = torch.Generator().manual_seed(1)
+    hk, rep, d = 4, 4, 128
+    lens_q, lens_k = [3, 64, 17, 1], [40, 64, 300, 9]
+    cu_q = [0, *np.cumsum(lens_q).tolist()]
+    cu_k = [0, *np.cumsum(lens_k).tolist()]
+    q = torch.randn(cu_q[-1], hk * rep, d, generator=g).cuda()
+    k = torch.randn(cu_k[-1], hk, d, generator=g).cuda()
+    v = torch.randn(cu_k[-1], hk, d, generator=g).cuda()
+    cq = torch.tensor(cu_q, dtype=torch.int32, device="cuda")
+    ck = torch.tensor(cu_k, dtype=torch.int32, device="cuda")
+    o, lse = attention.varlen_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cq, ck, max(lens_q), max(lens_k),
+                                        causal, d ** -0.5)
+    assert not attention._FLASH_BROKEN
+    ro, rl = attention._exact(q, k, v, cu_q, cu_k, causal, d ** -0.5)
+    assert lse.shape == rl.shape
+    assert float((o.float() - ro).norm() / ro.norm()) < 2e-2
+    torch.testing.assert_close(lse, rl, rtol=2e-2, atol=2e-2)

@@ -1,4 +1,4 @@
-"""A prefill batch over a shared cached prefix, run with and without cascade attention."""
+"""A prefill batch over a shared cached prefix, run on the ragged and on the padded attention path."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from hicache.engine.model import make_batch
 from hicache.pool import DevicePool
 
 PAGE = 16
-SHARED = 20  # pages of the common prefix: 320 tokens, above CASCADE_MIN_SHARED
+SHARED = 20  # pages of the common prefix: 320 tokens, above RAGGED_MIN_SHARED
 
 
-def cascade_vs_plain(model: Decoder, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], bool]:
-    """(logits with cascade, logits without, each segment's full token list, cascade taken).
+def ragged_vs_padded(model: Decoder, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], int]:
+    """(logits on the ragged path, on the padded path, each segment's full token list, tokens the ragged
+    path attended as the shared part; 0 where it did not take the batch).
 
     The prefix is computed once into pages 0..19; three segments then extend it with 5, 17 and 40 new
     tokens (one of them after 10 more cached tokens of its own, so its own part starts mid-page)."""
@@ -35,15 +36,16 @@ def cascade_vs_plain(model: Decoder, seed: int = 0) -> tuple[torch.Tensor, torch
     full = [prefix + news[0], prefix + news[1], prefix + extra + news[2]]
     snapshot = [[t.clone() for t in row] for row in pool.kv]
     outs = []
-    taken = False
-    for cascade in (True, False):
+    shared_tokens = 0
+    for path in ("ragged", "padded"):
         for row, snap in zip(pool.kv, snapshot, strict=True):
             for t, s in zip(row, snap, strict=True):
                 t.copy_(s)
-        model.cascade = cascade
+        model.attention_path = path
         batch = make_batch(news, prefixes, tables, PAGE, dev)
-        if cascade:
-            taken = model._cascade_tables(batch, PAGE) is not None
+        if path == "ragged":
+            t = model._ragged_tables(batch, PAGE)
+            shared_tokens = 0 if t is None else t.n_shared
         outs.append(model.forward_paged(batch, pool.kv, all_logits=True).cpu())
-    model.cascade = False
-    return outs[0], outs[1], full, taken
+    model.attention_path = "ragged"
+    return outs[0], outs[1], full, shared_tokens
