@@ -72,28 +72,30 @@ class Batch:
 def make_batch(tokens: Sequence[Sequence[int]], prefixes: Sequence[int],
                pages: Sequence[np.ndarray | torch.Tensor], page_size: int, device: torch.device) -> Batch:
     """Batch of new ``tokens[i]`` for sequence i, which already has ``prefixes[i]`` tokens in ``pages[i]``
-    (``pages[i]`` covers at least ``prefixes[i] + len(tokens[i])`` tokens)."""
+    (``pages[i]`` covers at least ``prefixes[i] + len(tokens[i])`` tokens). Built on the host, moved to
+    ``device`` in one copy."""
     if not (len(tokens) == len(prefixes) == len(pages)) or not tokens:
         raise ValueError("make_batch: tokens, prefixes and pages must be non-empty and of equal length")
-    flat: list[int] = []
-    pos: list[torch.Tensor] = []
-    wpage: list[torch.Tensor] = []
-    segs: list[Segment] = []
-    for t, p, pg in zip(tokens, prefixes, pages, strict=True):
-        n = len(t)
-        pgc = torch.as_tensor(pg, dtype=torch.int64).cpu()
-        if n < 1:
+    toks = [np.asarray(t, dtype=np.int64).reshape(-1) for t in tokens]
+    tables = [np.asarray(pg.cpu() if isinstance(pg, torch.Tensor) else pg, dtype=np.int64).reshape(-1)
+              for pg in pages]
+    pos, wpage = [], []
+    for t, p, pg in zip(toks, prefixes, tables, strict=True):
+        if len(t) < 1:
             raise ValueError("make_batch: every segment needs at least one new token")
-        if pgc.numel() * page_size < p + n:
-            raise ValueError(f"make_batch: {pgc.numel()} pages of {page_size} cannot hold {p + n} tokens")
-        flat.extend(int(x) for x in t)
-        ps = torch.arange(p, p + n, dtype=torch.int64)
+        if len(pg) * page_size < p + len(t):
+            raise ValueError(f"make_batch: {len(pg)} pages of {page_size} cannot hold {p + len(t)} tokens")
+        ps = np.arange(p, p + len(t), dtype=np.int64)
         pos.append(ps)
-        wpage.append(pgc[ps // page_size])
-        segs.append(Segment(n, p, pgc.to(device), pgc))
-    positions = torch.cat(pos)
-    return Batch(torch.tensor(flat, dtype=torch.int64).to(device), positions.to(device), torch.cat(wpage).to(device),
-                 (positions % page_size).to(device), segs, all(s.length == 1 for s in segs))
+        wpage.append(pg[ps // page_size])
+    positions = np.concatenate(pos)
+    T = len(positions)
+    host = torch.from_numpy(np.concatenate([*toks, positions, *wpage, positions % page_size, *tables]))
+    dev = host.to(device)
+    table_dev = torch.split(dev[4 * T:], [len(pg) for pg in tables])
+    table_host = torch.split(host[4 * T:], [len(pg) for pg in tables])
+    segs = [Segment(len(t), p, td, th) for t, p, td, th in zip(toks, prefixes, table_dev, table_host, strict=True)]
+    return Batch(dev[:T], dev[T: 2 * T], dev[2 * T: 3 * T], dev[3 * T: 4 * T], segs, all(len(t) == 1 for t in toks))
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -70,7 +70,6 @@ class _Seq:
     handle: Any
     t_start: float
     tokens: list[int] = field(default_factory=list)  # prompt + generated
-    prompt: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # the prompt, as an array
     load: Any = None
     table: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # L1 page per position // S
     prefix: int = 0  # prompt tokens taken from the cache
@@ -88,14 +87,25 @@ class _Seq:
                                                       and self.out[-1] == r.stop_token)
 
 
-def _common_pages(a: np.ndarray, b: np.ndarray, page_size: int) -> int:
-    """Full pages of ``page_size`` tokens that the token arrays ``a`` and ``b`` share from the start."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x = a[:n] != b[:n]
-    first = int(np.argmax(x)) if x.any() else n
-    return first // page_size
+class _PrefixPrints:
+    """Fingerprints of a token array's prefixes at page boundaries: entry ``i`` stands for pages
+    ``0..i``. Equal prefixes give equal fingerprints; a collision (random 64-bit linear hashing) could
+    only change how requests are grouped into batches, never what any request computes."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._rng = np.random.default_rng(0x9E3779B97F4A7C15)
+        self._w = self._rng.integers(1, 2**63, page_size, dtype=np.uint64) | np.uint64(1)
+        self._m = np.zeros(0, dtype=np.uint64)
+
+    def __call__(self, tokens: np.ndarray) -> np.ndarray:
+        S = self.page_size
+        n = len(tokens) // S
+        if n > len(self._m):
+            more = self._rng.integers(1, 2**63, max(n, 2 * len(self._m)) - len(self._m), dtype=np.uint64)
+            self._m = np.concatenate([self._m, more | np.uint64(1)])
+        h = (tokens[: n * S].reshape(n, S).astype(np.uint64) * self._w).sum(1, dtype=np.uint64)
+        return np.cumsum(h * self._m[:n], dtype=np.uint64)
 
 
 class ServingNode:
@@ -116,6 +126,7 @@ class ServingNode:
         self.max_batch = max_batch
         self.max_batch_tokens = max_batch_tokens
         self.collect_logits = collect_logits
+        self._prints = _PrefixPrints(self.page_size)
 
     # ------------------------------------------------------------------ public
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
@@ -149,6 +160,7 @@ class ServingNode:
     def _admit(self, pending: deque[tuple[int, GenRequest]]) -> list[_Seq]:
         S = self.page_size
         batch: list[_Seq] = []
+        seen: list[tuple[Any, set[tuple[int, int]]]] = []  # per namespace: (i, print of pages 0..i) in the batch
         budget = 0
         t0 = time.perf_counter()
         while pending and len(batch) < self.max_batch:
@@ -156,14 +168,21 @@ class ServingNode:
             h = self.port.match(r.tokens, r.ns)
             hit = h.l1_pages + h.l2_pages + h.l3_pages
             arr = np.asarray(r.tokens, dtype=np.int64)
-            shared = max((_common_pages(arr, s.prompt, S) for s in batch if s.req.ns == r.ns), default=0)
+            prints = self._prints(arr)
+            # a batch member shares more full pages than the cache gives: compute them once, next batch
+            shares_more = hit < len(prints) and any(ns == r.ns and (hit, int(prints[hit])) in st for ns, st in seen)
             new_tokens = len(r.tokens) - hit * S
-            if batch and (shared > hit or budget + new_tokens > self.max_batch_tokens):
+            if batch and (shares_more or budget + new_tokens > self.max_batch_tokens):
                 self.port.release(h)
                 break
             pending.popleft()
             budget += new_tokens
-            batch.append(_Seq(idx, r, h, t0, list(r.tokens), arr))
+            batch.append(_Seq(idx, r, h, t0, list(r.tokens)))
+            mine = next((st for ns, st in seen if ns == r.ns), None)
+            if mine is None:
+                mine = set()
+                seen.append((r.ns, mine))
+            mine.update(enumerate(prints.tolist()))
         return batch
 
     def _prefill(self, batch: list[_Seq]) -> None:

@@ -44,7 +44,7 @@ def test_ragged_bf16_on_gpu_matches_padded() -> None:
     model = Decoder.random(preset("small"), SEED, torch.bfloat16, "cuda")
     got, padded, _, shared = ragged_vs_padded(model)
     assert shared == SHARED * PAGE
-    assert not attention._FLASH_BROKEN  # the flash kernel ran, not the exact fallback
+    assert not attention._FLASH_BROKEN and not attention._CUDNN_BROKEN  # fused kernels ran, not fallbacks
     assert float((got - padded).norm() / padded.norm()) < 2e-2
     assert float((got.argmax(-1) == padded.argmax(-1)).float().mean()) > 0.9
 
@@ -70,5 +70,21 @@ def test_varlen_flash_matches_exact_contract(causal: bool) -> None:
     assert not attention._FLASH_BROKEN
     ro, rl = attention._exact(q, k, v, cu_q, cu_k, causal, d ** -0.5)
     assert lse.shape == rl.shape
+    assert float((o.float() - ro).norm() / ro.norm()) < 2e-2
+    torch.testing.assert_close(lse, rl, rtol=2e-2, atol=2e-2)
+
+
+def test_attend_all_cudnn_matches_exact_contract() -> None:
+    """The shared-part kernel (cuDNN, grouped-query heads) against the exact fp32 path."""
+    from hicache.engine import attention
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(300, 32, 128, generator=g).cuda()
+    k = torch.randn(1000, 8, 128, generator=g).cuda()
+    v = torch.randn(1000, 8, 128, generator=g).cuda()
+    o, lse = attention.attend_all(q.bfloat16(), k.bfloat16(), v.bfloat16(), 128 ** -0.5)
+    assert not attention._CUDNN_BROKEN
+    ro, rl = attention._exact(q, k, v, [0, 300], [0, 1000], False, 128 ** -0.5)
+    assert o.shape == ro.shape and lse.shape == rl.shape
     assert float((o.float() - ro).norm() / ro.norm()) < 2e-2
     torch.testing.assert_close(lse, rl, rtol=2e-2, atol=2e-2)

@@ -33,6 +33,36 @@ def test_shared_prefix_is_computed_once_per_batch(model: Decoder) -> None:
     assert res[0].t_first < res[1].t_start  # the document's owner ran first, alone
 
 
+def test_requests_sharing_uncached_pages_wait_unless_tenants_differ(model: Decoder) -> None:
+    """Admission keeps a request for the next batch when a batch member computes full pages it could
+    reuse; a different tenant, or a prompt diverging inside the first page, is admitted at once."""
+    rng = np.random.default_rng(2)
+    v = model.shape.vocab_size
+    doc = rng.integers(0, v, 40).tolist()  # 2 full pages of 16, then a partial one
+    near = [*doc[:5], (doc[5] + 1) % v, *doc[6:]]  # diverges inside page 0: shares no full page
+    with make_cache(model.shape, 16) as cache:
+        reqs = [GenRequest([*doc, 1, 2]), GenRequest([*near, 3]), GenRequest([*doc, 4], ns=cache.namespace("b")),
+                GenRequest([*doc[:32], 5, 6])]
+        res = ServingNode(model, cache, max_batch=8).generate(reqs)
+    starts = [r.t_start for r in res]
+    assert starts[0] == starts[1] == starts[2] < starts[3]  # the last shares both full pages with the first
+    assert res[3].computed_tokens == 2
+
+
+def test_prefix_prints_follow_page_prefixes() -> None:
+    from hicache.engine.node import _PrefixPrints
+
+    prints = _PrefixPrints(4)
+    a = np.arange(20, dtype=np.int64)
+    b = a.copy()
+    b[9] = 99  # page 2 differs
+    pa, pb = prints(a), prints(b)
+    assert len(pa) == 5
+    assert (pa[:2] == pb[:2]).all() and (pa[2:] != pb[2:]).all()
+    assert (prints(a[:13]) == pa[:3]).all()  # a shorter array: the same prints for its full pages
+    assert (prints(np.arange(400, dtype=np.int64))[:5] == pa).all()  # tables grow without changing old prints
+
+
 class _RecordingPort:
     """The real cache, with each load's per-layer waits recorded (order of calls)."""
 
