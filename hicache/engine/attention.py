@@ -120,11 +120,10 @@ def attend_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
                     ) -> torch.Tensor:
     """Softmax over the union of two disjoint key sets from the two partial results: ``o_*`` ``[T, H, D]``,
-    ``lse_*`` fp32 ``[H, T]`` -> ``[T, H, D]`` in ``o_a``'s dtype. Exact up to rounding."""
-    la, lb = lse_a.transpose(0, 1).unsqueeze(-1), lse_b.transpose(0, 1).unsqueeze(-1)  # [T, H, 1]
-    m = torch.maximum(la, lb)
-    wa, wb = torch.exp(la - m), torch.exp(lb - m)
-    return ((o_a.float() * wa + o_b.float() * wb) / (wa + wb)).to(o_a.dtype)
+    ``lse_*`` fp32 ``[H, T]`` -> ``[T, H, D]`` in ``o_a``'s dtype. Exact up to rounding: the share of
+    part a is ``e^la / (e^la + e^lb) = sigmoid(la - lb)`` (few kernels: decode steps are launch-bound)."""
+    w = torch.sigmoid(lse_a - lse_b).transpose(0, 1).unsqueeze(-1)  # [T, H, 1]
+    return torch.lerp(o_b.float(), o_a.float(), w).to(o_a.dtype)
 
 
 @dataclass
