@@ -12,7 +12,7 @@ on the model alone (no cache bookkeeping): a ``doc``-token document is written o
 
 For each path: median milliseconds, cost per computed token relative to ``nocache``, and the share of
 the ideal RAG speedup it implies (first request computed in full, the rest as one suffix batch); then
-one decode step of the whole batch on each path.
+one decode step of the whole batch (which takes the padded path unless it is forced).
 
     PYTHONPATH=. python benchmarks/prefill_paths.py            # 8B-shaped, bf16, GPU
     PYTHONPATH=. python benchmarks/prefill_paths.py --quick    # tiny model on CPU
@@ -93,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def decode(path: str) -> None:
         model.attention_path = path
-        model.forward_paged(make_batch([[1]] * a.batch, [prefix + a.question] * a.batch, tables, S, device), pool.kv)
+        b = make_batch([[1]] * a.batch, [prefix + a.question] * a.batch, tables, S, device)
+        if path == "ragged":  # forced: decode steps take the padded path
+            b.decode = False
+        model.forward_paged(b, pool.kv)
 
     t_nc = _time(nocache, device, a.reps)
     per_tok_nc = t_nc / len(full)
