@@ -98,3 +98,13 @@ def test_rag_batch_through_the_node_equals_recompute(path: str) -> None:
         for p, r in zip(prompts, res, strict=True):
             assert_matches_recompute(model, p, r)
         cache.check_integrity()
+
+
+def test_merge_in_16_bit_stays_within_its_rounding() -> None:
+    g = torch.Generator().manual_seed(0)
+    oa, ob = torch.randn(50, 4, 16, generator=g), torch.randn(50, 4, 16, generator=g)
+    la, lb = torch.randn(4, 50, generator=g) * 3, torch.randn(4, 50, generator=g) * 3
+    ref = merge_attention(oa, la, ob, lb)
+    got = merge_attention(oa.bfloat16(), la, ob.bfloat16(), lb)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - ref).norm() / ref.norm()) < 1e-2
