@@ -22,11 +22,19 @@ every ``rescan_s`` seconds, plus its own writes; reads refresh a page) and, when
 cap, deletes the oldest pages until it is below ``sweep_to`` of the cap.
 
 Options: ``max_bytes``, ``sweep_to`` (0.9), ``shard_levels`` (2), ``tmp_max_age_s`` (600),
-``rescan_s`` (60), ``io_threads`` (0 = min(16, max(4, cpus)): pages of a batch are read, written and
-verified in parallel), ``filesystem`` (a ``pyarrow.fs.FileSystem`` object to use instead of resolving the
+``rescan_s`` (60), ``io_threads`` (0 = min(16, max(4, cpus)): pages of a read are fetched and verified
+in parallel), ``write_threads`` (0 = max(1, io_threads // 4): pages of a write, in parallel),
+``write_nice`` (10: the write threads lower their own CPU priority by this much, on Linux; 0 = off),
+``filesystem`` (a ``pyarrow.fs.FileSystem`` object to use instead of resolving the
 URL; its path part is the root), ``delete_corrupt``
 (true). A store error (disk full, permission, network) is counted and reported as a miss / nothing
 written; it never raises into the caller.
+
+Writes are background work (L2 -> L3 writeback) while reads sit on a request's path, so they run on
+separate threads: a small write pool whose threads yield the CPU to everything else (``write_nice``).
+Writing a page costs CPU (its checksum, the kernel's copy into the page cache); with as many writers as
+cores, a burst of writeback starved the thread that drives the GPU and slowed a prefill running beside
+it.
 """
 
 from __future__ import annotations
@@ -58,6 +66,18 @@ INLINE_PAGE_BYTES = 256 << 10  # local pages smaller than this are read/written 
 TMP_SUFFIX = ".tmp"
 
 
+def _lower_priority(nice: int) -> None:
+    """Thread initializer: lower this thread's CPU priority by ``nice`` (Linux schedules threads one by
+    one; elsewhere, or without the right, the thread keeps its priority)."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except OSError:
+        pass
+
+
 @register_backend("file", "s3", "hdfs", "gs")
 class FileBackend(StorageBackend):
     """See the module docstring. Thread-safe."""
@@ -66,8 +86,8 @@ class FileBackend(StorageBackend):
 
     def __init__(self, url: str, ctx: StorageContext, max_bytes: int = 0, sweep_to: float = 0.9,
                  shard_levels: int = 2, tmp_max_age_s: float = 600.0, rescan_s: float = 60.0,
-                 io_threads: int = 0, delete_corrupt: bool = True, filesystem: pafs.FileSystem | None = None,
-                 **options: Any) -> None:
+                 io_threads: int = 0, write_threads: int = 0, write_nice: int = 10, delete_corrupt: bool = True,
+                 filesystem: pafs.FileSystem | None = None, **options: Any) -> None:
         super().__init__(url, ctx, **options)
         if options:
             raise ValueError(f"file store: unknown option(s) {sorted(options)}")
@@ -80,6 +100,11 @@ class FileBackend(StorageBackend):
         if io_threads < 0:
             raise ValueError(f"file store io_threads: must be >= 0 (0: scale with the cpus), got {io_threads}")
         io_threads = io_threads or min(16, max(4, os.cpu_count() or 4))
+        if write_threads < 0:
+            raise ValueError(f"file store write_threads: must be >= 0 (0: io_threads // 4), got {write_threads}")
+        if not 0 <= write_nice <= 19:
+            raise ValueError(f"file store write_nice: must be in [0, 19], got {write_nice}")
+        write_threads = write_threads or max(1, io_threads // 4)
         scheme = urlparse(url).scheme
         self.fs: pafs.FileSystem
         if filesystem is not None:  # a pyarrow filesystem object supplied by the caller; the URL's path is the root
@@ -104,6 +129,9 @@ class FileBackend(StorageBackend):
         self._frame_bytes = HEADER_BYTES + self._page_bytes
         self._threads = io_threads
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="hicache-file")
+        self._write_threads = write_threads
+        self._write_pool = ThreadPoolExecutor(max_workers=write_threads, thread_name_prefix="hicache-file-write",
+                                              initializer=_lower_priority, initargs=(write_nice,))
         self._dirs: set[str] = set()
         self._index: OrderedDict[str, int] = OrderedDict()  # path -> bytes, oldest first
         self._index_bytes = 0
@@ -215,8 +243,9 @@ class FileBackend(StorageBackend):
             self._stats.extra[name] = self._stats.extra.get(name, 0) + n
 
     # ------------------------------------------------------------------ batch helpers
-    def _map(self, fn: Callable[[int], int], n: int) -> list[int]:
-        """Run ``fn(i)`` for i in range(n) on the I/O threads; an exception in one page is an ERROR."""
+    def _map(self, fn: Callable[[int], int], n: int, write: bool = False) -> list[int]:
+        """Run ``fn(i)`` for i in range(n) on the read (or ``write``) threads; an exception in one page is
+        an ERROR."""
         def safe(i: int) -> int:
             try:
                 return fn(i)
@@ -226,15 +255,16 @@ class FileBackend(StorageBackend):
                 log.warning("file store %s: %s", self.root, e)
                 return ERROR
 
-        if n == 1 or (self._local and self._page_bytes < INLINE_PAGE_BYTES):
+        if (n == 1 and not write) or (self._local and self._page_bytes < INLINE_PAGE_BYTES):
             # small local pages: each costs a few microseconds of syscalls and Python, and handing them
             # to threads only adds GIL ping-pong; run them on the caller's thread
             return [safe(i) for i in range(n)]
         # Contiguous runs of pages per thread: one task each, not one per page (less GIL ping-pong).
-        parts = min(n, self._threads)
+        pool, threads = (self._write_pool, self._write_threads) if write else (self._pool, self._threads)
+        parts = min(n, threads)
         bounds = [(n * k // parts, n * (k + 1) // parts) for k in range(parts)]
         out: list[int] = []
-        for res in self._pool.map(lambda b: [safe(i) for i in range(*b)], bounds):
+        for res in pool.map(lambda b: [safe(i) for i in range(*b)], bounds):
             out.extend(res)
         return out
 
@@ -301,7 +331,7 @@ class FileBackend(StorageBackend):
             self._note(final, self._frame_bytes)
             return OK
 
-        res = self._map(one, len(keys))
+        res = self._map(one, len(keys), write=True)
         n = self._leading(res)
         errors = sum(r == ERROR for r in res)
         if errors:
@@ -373,4 +403,5 @@ class FileBackend(StorageBackend):
             self._index_bytes = 0
 
     def close(self) -> None:
+        self._write_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)

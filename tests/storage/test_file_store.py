@@ -157,3 +157,48 @@ def test_any_pyarrow_filesystem_through_the_same_code() -> None:
     assert b.batch_exists(keys[4:]) == 4 and sum(b.batch_exists([k]) for k in keys[:4]) == 1
     assert b.stored_bytes <= 6 * FRAME
     b.close()
+
+
+def test_writes_run_on_their_own_lower_priority_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Background writes must not take the CPU from a request's path: they run on a separate, small pool
+    whose threads lower their own priority; reads keep the read threads at normal priority."""
+    import threading
+
+    from hicache.storage import file_backend
+
+    monkeypatch.setattr(file_backend, "INLINE_PAGE_BYTES", 0)  # every batch goes to the thread pools
+    b = FileBackend(f"file://{tmp_path}", _ctx(), io_threads=4, write_nice=5)
+    assert b._write_threads == 1
+    ran: list[str] = []
+    real_writev, real_readv = os.writev, os.readv
+
+    def writev(fd: int, bufs: list[bytes]) -> int:
+        ran.append("w:" + threading.current_thread().name)
+        return real_writev(fd, bufs)
+
+    def readv(fd: int, bufs: list[bytearray]) -> int:
+        ran.append("r:" + threading.current_thread().name)
+        return real_readv(fd, bufs)
+
+    monkeypatch.setattr(os, "writev", writev)
+    monkeypatch.setattr(os, "readv", readv)
+    keys, src, dst = page_keys(4, "prio"), make_pool(4, seed=3), make_pool(4, seed=None)
+    assert b.batch_set(keys, src, [0, 1, 2, 3]) == 4
+    assert b.batch_get(keys, dst, [0, 1, 2, 3]) == 4
+    assert pages_equal(src, dst, [0, 1, 2, 3], [0, 1, 2, 3])
+    writers = {n[2:] for n in ran if n.startswith("w:")}
+    readers = {n[2:] for n in ran if n.startswith("r:")}
+    assert writers and all(n.startswith("hicache-file-write") for n in writers)
+    assert readers and not any(n.startswith("hicache-file-write") for n in readers)
+    if sys.platform == "linux":
+        by_name = {t.name: t.native_id for t in threading.enumerate()}
+        me = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert all(os.getpriority(os.PRIO_PROCESS, by_name[n]) == min(19, me + 5) for n in writers)
+        assert all(os.getpriority(os.PRIO_PROCESS, by_name[n]) == me for n in readers)
+    b.close()
+
+
+@pytest.mark.parametrize("bad", [{"write_threads": -1}, {"write_nice": 20}, {"write_nice": -1}])
+def test_bad_write_options_are_clear_errors(tmp_path: Path, bad: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        FileBackend(f"file://{tmp_path}", _ctx(), **bad)
