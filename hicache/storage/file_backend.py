@@ -23,7 +23,7 @@ cap, deletes the oldest pages until it is below ``sweep_to`` of the cap.
 
 Options: ``max_bytes``, ``sweep_to`` (0.9), ``shard_levels`` (2), ``tmp_max_age_s`` (600),
 ``rescan_s`` (60), ``io_threads`` (0 = min(16, max(4, cpus)): pages of a read are fetched and verified
-in parallel), ``write_threads`` (0 = max(1, io_threads // 4): pages of a write, in parallel),
+in parallel), ``write_threads`` (0 = max(2, io_threads // 4): pages of a write, in parallel),
 ``write_nice`` (10: the write threads lower their own CPU priority by this much, on Linux; 0 = off),
 ``filesystem`` (a ``pyarrow.fs.FileSystem`` object to use instead of resolving the
 URL; its path part is the root), ``delete_corrupt``
@@ -104,7 +104,7 @@ class FileBackend(StorageBackend):
             raise ValueError(f"file store write_threads: must be >= 0 (0: io_threads // 4), got {write_threads}")
         if not 0 <= write_nice <= 19:
             raise ValueError(f"file store write_nice: must be in [0, 19], got {write_nice}")
-        write_threads = write_threads or max(1, io_threads // 4)
+        write_threads = write_threads or max(2, io_threads // 4)
         scheme = urlparse(url).scheme
         self.fs: pafs.FileSystem
         if filesystem is not None:  # a pyarrow filesystem object supplied by the caller; the URL's path is the root
