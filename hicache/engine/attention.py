@@ -40,16 +40,16 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor
         res = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
                                                       scale=scale)
     except (RuntimeError, NotImplementedError, AttributeError) as e:  # no varlen flash kernel in this build
+        res = None
+        why = str(e)
+    if res is not None and res[1].shape != (q.shape[1], q.shape[0]):  # older kernels pad the lse per segment
+        why = f"log-sum-exp of shape {tuple(res[1].shape)}"
+        res = None
+    if res is None:
         _FLASH_BROKEN = True
-        warnings.warn(f"varlen flash attention unavailable ({e}); using the exact (slow) path", stacklevel=3)
+        warnings.warn(f"varlen flash attention unusable ({why}); using the exact (slow) path", stacklevel=3)
         return None
-    out, lse = res[0], res[1]
-    if lse.dim() == 3:  # [B, Hq, max_q] (older kernels): back to packed [Hq, Tq]
-        lens = (cu_q[1:] - cu_q[:-1]).long()
-        seg = torch.repeat_interleave(torch.arange(len(lens), device=q.device), lens)
-        pos = torch.arange(q.shape[0], device=q.device) - cu_q[:-1].long()[seg]
-        lse = lse[seg, :, pos].transpose(0, 1)
-    return out, lse.float()
+    return res[0], res[1].float()
 
 
 def _exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], causal: bool,

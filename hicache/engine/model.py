@@ -230,7 +230,7 @@ class Decoder:
         h = self.w["model.embed_tokens.weight"][batch.tokens]
         lengths = [g.length for g in batch.segments]
         ragged = self._ragged_tables(batch, S)
-        if batch.decode and ragged is None:
+        if batch.decode:
             dec_pages, dec_mask = self._decode_tables(batch, S)
         padded = None if batch.decode or ragged is not None else self._padded_tables(batch, S)
         for layer in range(s.num_layers):
