@@ -46,7 +46,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlparse
 
@@ -56,6 +55,7 @@ from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
 from hicache.storage.frame import HEADER_BYTES, encode_header
 from hicache.storage.pageio import PageIO
+from hicache.storage.threads import check_nice, io_pool
 
 log = logging.getLogger(__name__)
 
@@ -64,18 +64,6 @@ _OBJECT_STORES = ("s3", "gs")
 PAGE_SUFFIX = ".page"
 INLINE_PAGE_BYTES = 256 << 10  # local pages smaller than this are read/written on the caller's thread
 TMP_SUFFIX = ".tmp"
-
-
-def _lower_priority(nice: int) -> None:
-    """Thread initializer: lower this thread's CPU priority by ``nice`` (Linux schedules threads one by
-    one; elsewhere, or without the right, the thread keeps its priority)."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-    except OSError:
-        pass
 
 
 @register_backend("file", "s3", "hdfs", "gs")
@@ -102,8 +90,7 @@ class FileBackend(StorageBackend):
         io_threads = io_threads or min(16, max(4, os.cpu_count() or 4))
         if write_threads < 0:
             raise ValueError(f"file store write_threads: must be >= 0 (0: io_threads // 4), got {write_threads}")
-        if not 0 <= write_nice <= 19:
-            raise ValueError(f"file store write_nice: must be in [0, 19], got {write_nice}")
+        check_nice("file store write_nice", write_nice)
         write_threads = write_threads or max(2, io_threads // 4)
         scheme = urlparse(url).scheme
         self.fs: pafs.FileSystem
@@ -128,10 +115,9 @@ class FileBackend(StorageBackend):
         self._page_bytes = ctx.layout.bytes_per_page
         self._frame_bytes = HEADER_BYTES + self._page_bytes
         self._threads = io_threads
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="hicache-file")
+        self._pool = io_pool(io_threads, "hicache-file")
         self._write_threads = write_threads
-        self._write_pool = ThreadPoolExecutor(max_workers=write_threads, thread_name_prefix="hicache-file-write",
-                                              initializer=_lower_priority, initargs=(write_nice,))
+        self._write_pool = io_pool(write_threads, "hicache-file-write", write_nice)
         self._dirs: set[str] = set()
         self._index: OrderedDict[str, int] = OrderedDict()  # path -> bytes, oldest first
         self._index_bytes = 0

@@ -16,7 +16,8 @@ Options (URL query or keyword arguments, keywords win): ``prefix`` (key prefix, 
 ``breaker_max_s`` (how long a store that failed is left alone before a probe), ``delete_corrupt``
 (drop a page that failed verification, default true), ``wire`` (``raw``: the zero-copy path of
 :mod:`hicache.storage.resp`, the default; ``pipeline``: plain redis-py pipelines), ``sentinel_password``,
-``hash_threads`` (frame checksums run there, overlapped with the socket), ``ssl_ca_certs``,
+``hash_threads`` (frame checksums run there, overlapped with the socket; writes use half of them, as
+lower-priority background threads: ``write_nice``, default 10, 0 = off), ``ssl_ca_certs``,
 ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``.
 
 Storage layout: one string value per page, ``<prefix>{<page key hex>}`` -> frame (see
@@ -57,6 +58,7 @@ from hicache.storage.frame import HEADER_BYTES, FrameError, decode_frame, encode
 from hicache.storage.pageio import PageIO
 from hicache.storage.resp import ReplyError, RespReader, bulk_head, pack
 from hicache.storage.retry import CircuitBreaker, RetryPolicy, call_with_retry
+from hicache.storage.threads import check_nice, io_pool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,6 +83,7 @@ class RedisOptions:
     delete_corrupt: bool = True
     wire: str = "raw"
     hash_threads: int = 0  # 0: min(8, max(2, cpus))
+    write_nice: int = 10  # writes' checksum threads lower their CPU priority by this much (Linux)
     sentinel_password: str = ""
     ssl_ca_certs: str = ""
     ssl_certfile: str = ""
@@ -96,6 +99,7 @@ class RedisOptions:
             raise ValueError("redis timeout_s / connect_timeout_s: must be > 0")
         if self.max_connections < 1:
             raise ValueError(f"redis max_connections: must be >= 1, got {self.max_connections}")
+        check_nice("redis write_nice", self.write_nice)
         if self.wire not in ("raw", "pipeline"):
             raise ValueError(f"redis wire: must be 'raw' or 'pipeline', got {self.wire!r}")
         if self.ssl_cert_reqs not in ("required", "optional", "none"):
@@ -214,8 +218,9 @@ class RedisBackend(StorageBackend):
         # Operations in flight hold one connection each: never more than a node's pool allows (a full
         # pool would otherwise fail an operation, which would look like a dead store).
         self._slots = threading.BoundedSemaphore(o.max_connections)
-        self._hasher = ThreadPoolExecutor(max_workers=o.hash_threads or min(8, max(2, os.cpu_count() or 2)),
-                                          thread_name_prefix="hicache-redis-hash")
+        hash_threads = o.hash_threads or min(8, max(2, os.cpu_count() or 2))
+        self._hasher = io_pool(hash_threads, "hicache-redis-hash")  # reads: verification on a request's path
+        self._write_hasher = io_pool(max(1, hash_threads // 2), "hicache-redis-write-hash", o.write_nice)
         self._group = max(1, (1 << 20) // self._page_bytes)  # pages per hashing task
         conn_kw: dict[str, Any] = dict(
             socket_timeout=o.timeout_s, socket_connect_timeout=o.connect_timeout_s,
@@ -435,7 +440,7 @@ class RedisBackend(StorageBackend):
         out: list[tuple[Future[list[bytes]], int]] = []
         for lo in range(0, len(payloads), self._group):
             hi = min(lo + self._group, len(payloads))
-            f = self._hasher.submit(_headers, payloads[lo:hi], ns, keys[lo:hi])
+            f = self._write_hasher.submit(_headers, payloads[lo:hi], ns, keys[lo:hi])
             out.extend((f, i - lo) for i in range(lo, hi))
         return out
 
@@ -640,6 +645,7 @@ class RedisBackend(StorageBackend):
 
     def close(self) -> None:
         self._hasher.shutdown(wait=True)
+        self._write_hasher.shutdown(wait=True)
         if self._nodes_pool is not None:
             self._nodes_pool.shutdown(wait=True)
         try:

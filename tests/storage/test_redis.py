@@ -295,3 +295,29 @@ def test_cluster_follows_a_moved_slot(redis_cluster, open_backend, prefix) -> No
     b.delete(keys)
     for c in clients.values():
         c.close()
+
+
+def test_write_checksums_run_on_lower_priority_threads(redis_single, open_backend, prefix) -> None:
+    """Writes' frame checksums run on their own background threads, which lower their priority; reads
+    verify on the normal-priority hash threads."""
+    import os
+    import sys
+
+    b = open_backend(f"redis://127.0.0.1:{redis_single.port}/0?prefix={prefix}&write_nice=7&hash_threads=4")
+    keys, src, dst = page_keys(6, "nice"), make_pool(6, seed=9), make_pool(6, seed=None)
+    assert b.batch_set(keys, src, list(range(6))) == 6
+    assert b.batch_get(keys, dst, list(range(6))) == 6
+    assert pages_equal(src, dst, list(range(6)), list(range(6)))
+    threads = {t.name: t.native_id for t in threading.enumerate()}
+    writers = [n for n in threads if n.startswith("hicache-redis-write-hash")]
+    readers = [n for n in threads if n.startswith("hicache-redis-hash")]
+    assert writers and len(writers) <= 2
+    if sys.platform == "linux":
+        me = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert all(os.getpriority(os.PRIO_PROCESS, threads[n]) == min(19, me + 7) for n in writers)
+        assert all(os.getpriority(os.PRIO_PROCESS, threads[n]) == me for n in readers)
+
+
+def test_bad_write_nice_is_a_clear_error(redis_single) -> None:
+    with pytest.raises(ValueError, match="write_nice"):
+        RedisBackend(f"redis://127.0.0.1:{redis_single.port}/0", None, write_nice=25)  # type: ignore[arg-type]
