@@ -121,7 +121,7 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
                     ) -> torch.Tensor:
     """Softmax over the union of two disjoint key sets from the two partial results: ``o_*`` ``[T, H, D]``,
     ``lse_*`` fp32 ``[H, T]`` -> ``[T, H, D]`` in ``o_a``'s dtype. Exact up to rounding: the share of
-    part a is ``e^la / (e^la + e^lb) = sigmoid(la - lb)`` (few kernels: decode steps are launch-bound)."""
+    part a is ``e^la / (e^la + e^lb) = sigmoid(la - lb)``, so the merge is two or three kernels."""
     w = torch.sigmoid(lse_a - lse_b).transpose(0, 1).unsqueeze(-1)  # [T, H, 1]
     if o_a.dtype in (torch.bfloat16, torch.float16):  # one kernel (fp32 inside); only w is rounded
         return torch.lerp(o_b.to(o_a.dtype), o_a, w.to(o_a.dtype))
