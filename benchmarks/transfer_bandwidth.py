@@ -9,12 +9,16 @@ In one run (needs a CUDA GPU and CuPy):
    (``io_backend=copy_engine``: merged runs, ``cudaMemcpyBatchAsync``), the staged path
    (``io_backend=staged``: per-page runs by DMA through a device staging slot, then a device-side
    scatter/gather), and a per-page ``cudaMemcpyAsync`` loop issued from Python.
-3. Slowdown of a bf16 8192^3 GEMM stream while loads (or backups) run next to it: kernel path at
-   several grid sizes, the copy engine, and the staged path.
-4. Load and backup at once against the bidirectional ceiling.
+3. Slowdown of a bf16 8192^3 GEMM stream while loads (or backups) run next to it: one contiguous
+   pinned copy (the ceiling under that load: the GEMM's own memory traffic slows DMA too), the kernel
+   path at several grid sizes and the copy engine (64 KiB pieces), and the staged path (4 KiB pieces,
+   where ``auto`` picks it). Each transfer is given against the idle ceiling and against the
+   contiguous copy next to the same GEMM.
+4. Load and backup at once against the bidirectional ceiling, for 4 KiB, 64 KiB and 1 MiB pieces, each
+   path and ``auto``.
 5. A 32-layer load overlapped with per-layer compute (GEMMs after ``wait_layer(i)``) against
    max(load alone, compute alone), for compute/load ratios of about 0.5, 1 and 2; 64 KiB pieces (every
-   path) and 4 KiB pieces (kernel and staged: the staged path readies layers by groups of 8 there).
+   path) and 4 KiB pieces (kernel and staged: the staged path readies layers by groups there, ramped 2, 4, 8, ..., 4, 2).
 
 Transfers are timed with CUDA events on the compute stream, which is held by ``torch.cuda._sleep`` while
 the host submits, so the figures are device time; host submission time is reported beside them.
@@ -172,11 +176,57 @@ class Burst(NamedTuple):
     end: torch.cuda.Event
 
 
-def _load(eng: CudaTransferEngine, s: Setup) -> list[TransferHandle]:
+class _EventHandle(TransferHandle):
+    """A whole transfer finished at one event (every layer at once)."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait_layer(self, layer: int) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+
+class PinnedCopy:
+    """The ceiling as a transfer engine: one contiguous pinned-host <-> GPU copy of ``nbytes`` per call,
+    on high-priority streams like the engine's (for the ceiling under a concurrent GEMM)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.load_stream = torch.cuda.Stream(priority=-1)
+        self.backup_stream = torch.cuda.Stream(priority=-1)
+
+    def _copy(self, stream: torch.cuda.Stream, to_host: bool) -> TransferHandle:
+        with torch.cuda.stream(stream):
+            if to_host:
+                self.host.copy_(self.dev, non_blocking=True)
+            else:
+                self.dev.copy_(self.host, non_blocking=True)
+            e = torch.cuda.Event()
+            e.record(stream)
+        return _EventHandle(e)
+
+    def load(self, host_idx: np.ndarray, device_idx: np.ndarray) -> TransferHandle:
+        return self._copy(self.load_stream, False)
+
+    def backup(self, device_idx: np.ndarray, host_idx: np.ndarray) -> TransferHandle:
+        return self._copy(self.backup_stream, True)
+
+    def close(self) -> None:
+        torch.cuda.synchronize()
+
+
+def _load(eng: CudaTransferEngine | PinnedCopy, s: Setup) -> list[TransferHandle]:
     return [eng.load(s.h, s.d)]
 
 
-def _backup(eng: CudaTransferEngine, s: Setup) -> list[TransferHandle]:
+def _backup(eng: CudaTransferEngine | PinnedCopy, s: Setup) -> list[TransferHandle]:
     return [eng.backup(s.d, s.h)]
 
 
@@ -243,12 +293,14 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
     gap = 0.01
     for _ in range(3):
         gemm_time(a, b, k)
-    s = Setup(layout_for_piece(64 << 10, args.layers), args.total_mib << 20, seed=99)
-    L = s.layout.num_layers
+    s64 = Setup(layout_for_piece(64 << 10, args.layers), args.total_mib << 20, seed=99)
+    s4 = Setup(layout_for_piece(4 << 10, args.layers), args.total_mib << 20, seed=98)
     rows = []
-    configs: list[tuple[str, str, dict[str, Any]]] = [("h2d", "kernel", {"blocks": bl}) for bl in args.blocks_sweep]
+    configs: list[tuple[str, str, dict[str, Any]]] = [("h2d", "pinned", {}), ("d2h", "pinned", {})]
+    configs += [("h2d", "kernel", {"blocks": bl}) for bl in args.blocks_sweep]
     configs += [("d2h", "kernel", {}), ("h2d", "copy_engine", {}), ("d2h", "copy_engine", {}),
                 ("h2d", "staged", {}), ("d2h", "staged", {})]
+    under: dict[str, float] = {}  # contiguous pinned copy GB/s next to the GEMM: the ceiling under load
 
     def gemm_after_gap(submit: Callable[[], Burst] | None) -> tuple[float, Burst | None]:
         torch.cuda.synchronize()
@@ -258,7 +310,10 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
         return gemm_time(a, b, k), burst
 
     for direction, backend, kw in configs:
-        eng = s.engine(io_backend=backend, **kw)
+        s = s4 if backend == "staged" else s64  # the staged path is auto's choice for small pieces
+        L = s.layout.num_layers
+        eng: CudaTransferEngine | PinnedCopy = (PinnedCopy(s.bytes) if backend == "pinned"
+                                                 else s.engine(io_backend=backend, **kw))
         one = partial(_load, eng, s) if direction == "h2d" else partial(_backup, eng, s)
         t_alone_transfer, _ = time_device(one, L, args.reps)
         alone_gbps = s.bytes / t_alone_transfer / GB
@@ -286,25 +341,35 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
             alone_ms.append(t_alone * 1e3)
             gbps.append(m * s.bytes / (burst.start.elapsed_time(burst.end) / 1e3) / GB)
         eng.close()
-        copier = eng.stage_kernel if backend == "staged" else eng.kernel if direction == "h2d" else eng.backup_kernel
-        row = {"direction": direction, "backend": backend, "blocks": kw.get("blocks", copier.blocks),
+        blocks = 0
+        if isinstance(eng, CudaTransferEngine):
+            copier = (eng.stage_kernel if backend == "staged" else eng.kernel if direction == "h2d"
+                      else eng.backup_kernel)
+            blocks = kw.get("blocks", copier.blocks)
+        if backend == "pinned":
+            under[direction] = median(gbps)
+        row: dict[str, Any] = {"direction": direction, "backend": backend, "blocks": blocks,
+               "piece_bytes": s.layout.bytes_per_layer_piece,
                "gemm_alone_ms": median(alone_ms), "gemm_slowdown": median(slow), "transfer_gbps": median(gbps),
                "transfer_ratio": median(gbps) / ceil[direction], "transfer_alone_gbps": alone_gbps,
-               "transfer_alone_ratio": alone_gbps / ceil[direction]}
+               "transfer_alone_ratio": alone_gbps / ceil[direction],
+               "ratio_to_pinned_under_gemm": median(gbps) / under[direction]}
         rows.append(row)
-        grid = {"kernel": f"{row['blocks']} blocks", "staged": f"DMA+{row['blocks']}"}.get(backend, "DMA")
-        print(f"GEMM next to {direction} {backend:<11} ({grid:>8}): GEMM {100 * row['gemm_slowdown']:+5.1f}%  "
-              f"transfer {row['transfer_gbps']:5.1f} GB/s ({row['transfer_ratio']:.2f} of ceiling; "
+        grid = {"kernel": f"{blocks} blocks", "staged": f"DMA+{blocks}", "pinned": "one copy"}.get(backend, "DMA")
+        print(f"GEMM next to {direction} {backend:<11} ({grid:>8}, {row['piece_bytes'] >> 10:>2} KiB): "
+              f"GEMM {100 * row['gemm_slowdown']:+5.1f}%  "
+              f"transfer {row['transfer_gbps']:5.1f} GB/s ({row['transfer_ratio']:.2f} of ceiling, "
+              f"{row['ratio_to_pinned_under_gemm']:.2f} of one pinned copy next to the GEMM; "
               f"alone {alone_gbps:5.1f} = {row['transfer_alone_ratio']:.2f})", flush=True)
     return rows
 
 
 def bench_bidir(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[str, Any]]:
     rows = []
-    for kib in (64, 1024):
+    for kib in (4, 64, 1024):
         s = Setup(layout_for_piece(kib << 10, args.layers), args.total_mib << 20, seed=7 + kib, spare=3)
         L = s.layout.num_layers
-        for backend in ("kernel", "copy_engine", "staged"):
+        for backend in ("kernel", "copy_engine", "staged", "auto"):
             eng = s.engine(io_backend=backend)
             t, _ = time_device(partial(_both, eng, s), L, args.reps)
             gbps = 2 * s.bytes / t / GB
@@ -317,9 +382,11 @@ def bench_bidir(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[s
 
 def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[str, Any]]:
     rows = []
-    for kib, configs in ((64, [("kernel", {}), ("kernel", {"layer_signal": "events"}), ("copy_engine", {}),
-                               ("staged", {})]),
-                         (4, [("kernel", {}), ("staged", {})])):
+    plan: list[tuple[int, list[tuple[str, dict[str, Any]]]]] = [
+        (64, [("kernel", {}), ("kernel", {"layer_signal": "events"}), ("copy_engine", {}), ("staged", {})]),
+        (4, [("kernel", {}), ("staged", {})]),
+    ]
+    for kib, configs in plan:
         rows += _overlap(args, ceil, kib << 10, configs)
     return rows
 

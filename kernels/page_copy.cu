@@ -13,6 +13,10 @@
 //   layer-first [L, C, P, S, H, D]: host_page_stride = piece_bytes,     host_lc_stride = P*piece_bytes
 //
 // to_host = 0 reads host and writes device (load); to_host = 1 reads device and writes host (backup).
+// Bit 1 of to_host (PAGE_COPY_ITEMS) makes a backup walk work items like a load does: the staged path sets
+// it, since its "host" side is a device staging slot, where the item walk is bound by memory and the
+// flat walk's per-vector divisions are not (the gentleness on compute that the flat walk buys only
+// matters when writing host memory over the link).
 // The host base is the device-visible address of pinned (or cudaHostRegister'ed) memory, so the
 // kernel reads and writes host memory directly over the link.
 //
@@ -40,6 +44,7 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 #define PAGE_COPY_UNROLL 8
+#define PAGE_COPY_ITEMS 2  // flag bit of to_host: walk work items in both directions
 #define PAGE_COPY_MAX_THREADS 1024  // blocks of up to 1024 threads: registers capped to fit
 
 template <typename V>
@@ -134,12 +139,12 @@ __device__ __forceinline__ void page_copy_impl(const u64* __restrict__ dev_ptrs,
                                                const i64* __restrict__ dev_idx,
                                                const i64* __restrict__ host_idx, i64 n_pages,
                                                int lc_begin, int n_lc, i64 piece_vecs, int to_host) {
-    if (to_host) {
+    if ((to_host & 1) && !(to_host & PAGE_COPY_ITEMS)) {
         page_copy_vectors<V>(dev_ptrs, host_base, host_page_stride, host_lc_stride, dev_idx, host_idx, n_pages,
                              lc_begin, n_lc, piece_vecs, 1);
     } else {
         page_copy_items<V>(dev_ptrs, host_base, host_page_stride, host_lc_stride, dev_idx, host_idx, n_pages,
-                           lc_begin, n_lc, piece_vecs, 0);
+                           lc_begin, n_lc, piece_vecs, to_host & 1);
     }
 }
 

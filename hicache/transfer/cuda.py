@@ -79,7 +79,7 @@ from hicache.transfer.cuda_kernels import (
     CopyGeometry,
     KernelCopier,
 )
-from hicache.transfer.staged import group_layers, plan_group, with_slot_base
+from hicache.transfer.staged import group_layers, layer_groups, plan_group, with_slot_base
 
 IoBackend = Literal["kernel", "copy_engine", "staged", "auto"]
 IO_BACKENDS = ("kernel", "copy_engine", "staged", "auto")
@@ -441,8 +441,11 @@ class CudaTransferEngine(TransferEngine):
         per_group = group_layers(L, C, piece, min_run, st.slot_bytes)
         events: list[torch.cuda.Event] = []
         sh, ssh = stream.cuda_stream, sst.cuda_stream
-        for l0 in range(0, L, per_group):
-            ng = min(per_group, L - l0)
+        if to_host:  # whole pages (as many layers as a slot takes): nothing waits on a backup's layers
+            groups = [(l0, min(per_group, L - l0)) for l0 in range(0, L, per_group)]
+        else:
+            groups = layer_groups(L, per_group)
+        for l0, ng in groups:
             for ch in plan_group(g.host_base, g.host_page_stride, piece, C, host_idx, l0, ng, st.slot_bytes,
                                  to_host):
                 s, base = st.take()

@@ -31,6 +31,7 @@ DEFAULT_BLOCKS = DEFAULT_BACKUP_BLOCKS
 DEFAULT_STAGE_BLOCKS = 8
 DEFAULT_THREADS = 1024
 UNROLL = 8  # PAGE_COPY_UNROLL in the source: vectors each thread has in flight
+ITEMS_FLAG = 2  # PAGE_COPY_ITEMS in the source: a device-to-device backup walks work items, as loads do
 
 _modules: dict[int, Any] = {}
 _lock = threading.Lock()
@@ -171,12 +172,12 @@ class KernelCopier:
         if slot_base % self.width:
             raise ValueError(f"staging slot base {slot_base:#x} not aligned to {self.width} bytes")
         piece = self.geometry.piece_bytes
-        grid = self.grid_for(n_pages, n_lc, to_host)
+        grid = self.grid_for(n_pages, n_lc)  # both directions walk work items (device memory only)
         base = (slot_base - lc_begin * piece) % (1 << 64)  # the kernel adds lc * piece back
         args = (
             np.uint64(self._dev_ptrs.data_ptr()), np.uint64(base), np.int64(n_lc * piece), np.int64(piece),
             np.uint64(dev_idx_ptr), np.uint64(pos_idx_ptr), np.int64(n_pages), np.int32(lc_begin), np.int32(n_lc),
-            np.int64(self.piece_vecs), np.int32(1 if to_host else 0),
+            np.int64(self.piece_vecs), np.int32((1 if to_host else 0) | ITEMS_FLAG),
         )
         with self._cupy.cuda.Device(self.device_index), self._ext_stream(stream_handle):
             self._kernel((grid,), (self.threads,), args)
