@@ -73,7 +73,7 @@ class Sizes:
     ws_l1_docs: int = 4
     ws_passes: int = 2
     long_prefix: int = 16384  # ttft16k
-    reps: int = 3
+    reps: int = 5
     l1_tokens: int = 65536
     l2_tokens: int = 32768
     max_batch: int = 32
@@ -275,6 +275,10 @@ def ttft_long_prefix(env: Env, z: Sizes) -> dict[str, Any]:
         port, engine = make_port(env, mode, need * 2, need * 2)
         node = ServingNode(env.model, port, max_batch=1)
         node.generate([GenRequest(prefix + _toks(rng, vocab, 64), 1)])  # computes (and caches) the prefix
+        if isinstance(port, HiCache):  # one unmeasured L2 hit: first use of this shape on the load path
+            port.evict(l1_pages=10**9)
+            sync()
+        node.generate([GenRequest(prefix + _toks(rng, vocab, 64), 1)])
         times = []
         for _ in range(z.reps):
             if isinstance(port, HiCache):

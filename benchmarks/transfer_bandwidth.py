@@ -18,7 +18,7 @@ In one run (needs a CUDA GPU and CuPy):
    path and ``auto``.
 5. A 32-layer load overlapped with per-layer compute (GEMMs after ``wait_layer(i)``) against
    max(load alone, compute alone), for compute/load ratios of about 0.5, 1 and 2; 64 KiB pieces (every
-   path) and 4 KiB pieces (kernel and staged: the staged path readies layers by groups there, ramped 2, 4, 8, ..., 4, 2).
+   path) and 4 KiB pieces (kernel and staged: the staged path readies layers by groups of 8 there).
 
 Transfers are timed with CUDA events on the compute stream, which is held by ``torch.cuda._sleep`` while
 the host submits, so the figures are device time; host submission time is reported beside them.

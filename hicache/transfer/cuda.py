@@ -79,7 +79,7 @@ from hicache.transfer.cuda_kernels import (
     CopyGeometry,
     KernelCopier,
 )
-from hicache.transfer.staged import group_layers, layer_groups, plan_group, with_slot_base
+from hicache.transfer.staged import group_layers, plan_group, with_slot_base
 
 IoBackend = Literal["kernel", "copy_engine", "staged", "auto"]
 IO_BACKENDS = ("kernel", "copy_engine", "staged", "auto")
@@ -171,6 +171,7 @@ class _Stager:
 @register_engine("cuda")
 class CudaTransferEngine(TransferEngine):
     name = "cuda"
+    sort_staged_backups = True  # staged backups write host pages in address order
 
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, io_backend: str = "auto",
                  blocks: int | None = None, threads: int = DEFAULT_THREADS,
@@ -434,6 +435,11 @@ class CudaTransferEngine(TransferEngine):
         sst = st.stream
         for ev in deps:
             sst.wait_event(ev)
+        if to_host and self.sort_staged_backups:
+            # write host memory in address order (and merge runs of consecutive host pages into one copy);
+            # any order of the pairs moves the same bytes
+            order = np.argsort(host_idx, kind="stable")
+            dev_idx, host_idx = np.asarray(dev_idx)[order], np.asarray(host_idx)[order]
         idx_host = torch.from_numpy(np.ascontiguousarray(dev_idx, dtype=np.int64)).pin_memory()
         with torch.cuda.stream(sst):
             idx = idx_host.to(self.device, non_blocking=True)
@@ -441,11 +447,8 @@ class CudaTransferEngine(TransferEngine):
         per_group = group_layers(L, C, piece, min_run, st.slot_bytes)
         events: list[torch.cuda.Event] = []
         sh, ssh = stream.cuda_stream, sst.cuda_stream
-        if to_host:  # whole pages (as many layers as a slot takes): nothing waits on a backup's layers
-            groups = [(l0, min(per_group, L - l0)) for l0 in range(0, L, per_group)]
-        else:
-            groups = layer_groups(L, per_group)
-        for l0, ng in groups:
+        for l0 in range(0, L, per_group):
+            ng = min(per_group, L - l0)
             for ch in plan_group(g.host_base, g.host_page_stride, piece, C, host_idx, l0, ng, st.slot_bytes,
                                  to_host):
                 s, base = st.take()

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.transfer.staged import group_layers, layer_groups, plan_group, with_slot_base
+from hicache.transfer.staged import group_layers, plan_group, with_slot_base
 
 
 def test_group_layers() -> None:
@@ -76,23 +76,3 @@ def test_staged_load_reproduces_host_pieces(L: int, C: int, piece: int, n: int, 
     got, want = _simulate(L, C, piece, n_host, n_dev, h, d, g, slot, rng)
     assert np.array_equal(got, want)
 
-
-@settings(max_examples=200, deadline=None)
-@given(st.integers(1, 200), st.integers(1, 64))
-def test_layer_groups_cover_in_order(num_layers: int, per_group: int) -> None:
-    groups = layer_groups(num_layers, per_group)
-    assert [l0 for l0, _ in groups] == [sum(n for _, n in groups[:i]) for i in range(len(groups))]
-    assert sum(n for _, n in groups) == num_layers
-    assert all(1 <= n <= per_group for _, n in groups)
-    if per_group >= 4 and num_layers >= 2 * (per_group // 4 + per_group // 2) + per_group:
-        # ramped: the first and last groups are a quarter of a full one, the second and next-to-last half
-        assert groups[0][1] == groups[-1][1] == per_group // 4
-        assert groups[1][1] == groups[-2][1] == per_group // 2
-
-
-def test_layer_groups_examples() -> None:
-    assert layer_groups(32, 8) == [(0, 2), (2, 4), (6, 8), (14, 8), (22, 4), (26, 4), (30, 2)]
-    assert layer_groups(32, 2) == [(i, 2) for i in range(0, 32, 2)]  # too small to ramp
-    assert layer_groups(8, 8) == [(0, 8)]  # too short to ramp
-    with pytest.raises(ValueError):
-        layer_groups(0, 8)
