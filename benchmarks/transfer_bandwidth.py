@@ -203,6 +203,7 @@ class PinnedCopy:
         self.backup_stream = torch.cuda.Stream(priority=-1)
 
     def _copy(self, stream: torch.cuda.Stream, to_host: bool) -> TransferHandle:
+        stream.wait_stream(torch.cuda.current_stream())  # as the engine does: start after work queued before
         with torch.cuda.stream(stream):
             if to_host:
                 self.host.copy_(self.dev, non_blocking=True)
