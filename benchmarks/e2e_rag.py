@@ -15,7 +15,10 @@ measured pass's own backups and L3 writes run during it, as in service.
 * ``ttft16k``  one request with a 16k-token prefix: first token from recompute vs from an L2 hit.
 
 Modes: ``nocache`` (recompute everything), ``l1`` (radix cache on the GPU only), ``l1l2`` (+ pinned host
-memory), ``l1l2l3`` (+ a file store on local disk; ``memory://`` if the file backend is missing).
+memory), ``l1l2l3`` (+ a file store on local disk; ``memory://`` if the file backend is missing), and
+``l1l2redis`` (+ Redis as L3) when Redis is available: ``--redis URL`` names a server, and by default
+(``--redis auto``) a local ``redis-server`` is started on a free loopback port when one is installed
+and redis-py imports (the mode is left out, with a note, otherwise).
 
 Figures per workload and mode: requests/s, prefill tokens/s (computed, and prompt tokens per prefill
 second), TTFT p50/p99/mean (from the arrival of the request's round), hit rate per tier, and the ideal
@@ -29,6 +32,7 @@ Ratios are against the in-run ``nocache`` baseline. Writes JSON (``--json``) and
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import json
 import platform
@@ -48,7 +52,8 @@ from hicache.config import config_from_dict
 from hicache.engine import CachePort, Decoder, GenRequest, GenResult, NoCachePort, ServingNode, preset
 
 Rounds = Generator[tuple[list[GenRequest], bool], list[GenResult], None]  # yields (requests, measured)
-MODES = ("nocache", "l1", "l1l2", "l1l2l3")
+MODES = ("nocache", "l1", "l1l2", "l1l2l3", "l1l2redis")
+L3_MODES = ("l1l2l3", "l1l2redis")
 
 
 @dataclass
@@ -136,6 +141,7 @@ class Env:
     io_backend: str
     l3_url: str
     write_policy: str
+    redis_url: str = ""
 
 
 def make_port(env: Env, mode: str, l1_tokens: int, l2_tokens: int) -> tuple[CachePort, str]:
@@ -152,7 +158,8 @@ def make_port(env: Env, mode: str, l1_tokens: int, l2_tokens: int) -> tuple[Cach
                        "attention": layout.attention},
             "cache": {"device": env.device, "l1_tokens": l1_tokens, "l2_tokens": l2_tokens if mode != "l1" else 0,
                       "write_policy": env.write_policy, "io_backend": io},
-            "storage": {"url": env.l3_url if mode == "l1l2l3" else "", "prefetch_threshold_tokens": 0,
+            "storage": {"url": {"l1l2l3": env.l3_url, "l1l2redis": env.redis_url}.get(mode, ""),
+                        "prefetch_threshold_tokens": 0,
                         "prefetch_policy": "wait_complete"},
         })
         return HiCache(cfg)
@@ -163,6 +170,28 @@ def make_port(env: Env, mode: str, l1_tokens: int, l2_tokens: int) -> tuple[Cach
         print(f"  [{mode}] io_backend {env.io_backend!r} unavailable ({e}); using 'cpu'")
         cache = build("cpu")
     return cache, getattr(cache.transfer, "name", type(cache.transfer).__name__)
+
+
+def start_redis(spec: str) -> tuple[str, Any]:
+    """(URL of the Redis for ``l1l2redis``, the local server to stop at the end or None); ("", None) when
+    Redis is off or unavailable (a note says why)."""
+    if spec == "off":
+        return "", None
+    try:
+        import hicache.storage.redis_backend  # noqa: F401  (registers redis://; needs redis-py)
+    except ImportError as e:
+        print(f"  l1l2redis: skipped, the Redis backend does not import ({e})")
+        return "", None
+    if spec != "auto":
+        return spec, None
+    from hicache.storage.redis_local import LocalRedis, redis_server_binary
+
+    if redis_server_binary() is None:
+        print("  l1l2redis: skipped, redis-server is not installed (or pass --redis redis://HOST:PORT/0)")
+        return "", None
+    server = LocalRedis().start()
+    atexit.register(server.stop)  # also when a workload fails
+    return server.url, server
 
 
 def close_port(port: CachePort) -> None:
@@ -354,7 +383,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--io-backend", default="auto")
     ap.add_argument("--write-policy", default="write_through")
-    ap.add_argument("--l3-url", default="", help="L3 store (default: a file store in a temporary directory)")
+    ap.add_argument("--l3-url", default="", help="L3 store of l1l2l3 (default: a file store in a temporary directory)")
+    ap.add_argument("--redis", default="auto",
+                    help="L3 of l1l2redis: a redis:// URL, 'auto' (start a local redis-server when installed) "
+                         "or 'off'")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="out/e2e_rag.json")
     a = ap.parse_args(argv)
@@ -374,11 +406,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     model = Decoder.random(shape, a.seed, tdtype, device)
     sync()
-    env = Env(model, a.page_size, dtype, device, a.io_backend, l3, a.write_policy)
+    modes = a.modes.split(",")
+    redis_url, local_redis = start_redis(a.redis) if "l1l2redis" in modes else ("", None)
+    if not redis_url and "l1l2redis" in modes:
+        modes.remove("l1l2redis")
+    env = Env(model, a.page_size, dtype, device, a.io_backend, l3, a.write_policy, redis_url)
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
     conditions = {
         "model": model_name, "params_b": shape.num_params() / 1e9, "dtype": dtype, "device": gpu,
         "torch": torch.__version__, "page_size": a.page_size, "write_policy": a.write_policy, "l3": l3,
+        "redis": redis_url,
         "sizes": asdict(z), "weights": f"random (seed {a.seed})", "init_s": time.perf_counter() - t0,
     }
     print(f"# e2e: {model_name} ({conditions['params_b']:.1f}B params, {dtype}) on {gpu}, page {a.page_size}, "
@@ -388,7 +425,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     warm_up(env)
 
     workloads = a.workloads.split(",")
-    modes = a.modes.split(",")
     rows: list[dict[str, Any]] = []
     errors: list[str] = []
     base: dict[str, dict[str, Any]] = {}
@@ -412,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if w == "rag_ws":
                 l1 = z.ws_l1_docs * (z.ws_doc + 2 * a.page_size)
                 per_doc = z.ws_doc + 64 + 2 * a.page_size  # document, question, decoded token
-                l2 = (z.ws_docs + z.ws_docs // 2) * per_doc if mode == "l1l2" else 2 * l1
+                l2 = (z.ws_docs + z.ws_docs // 2) * per_doc if mode == "l1l2" else 2 * l1  # L3 modes: L2 = 2 x L1
             port, engine = make_port(env, mode, l1, l2)
             node = ServingNode(model, port, 1 if w == "rag_ws" else z.max_batch, z.max_batch_tokens)
             fig = Figures(w, mode, engine)
@@ -427,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 close_port(port)
                 continue
             s = fig.summary()
-            s["l1_tokens"], s["l2_tokens"] = l1, (l2 if mode in ("l1l2", "l1l2l3") else 0)
+            s["l1_tokens"], s["l2_tokens"] = l1, (l2 if mode in ("l1l2", *L3_MODES) else 0)
             rows.append(s)
             if mode == "nocache" or (w == "rag_ws" and mode == "l1"):
                 base[w] = s
@@ -440,8 +476,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(f"Conditions: {model_name}-shaped decoder ({conditions['params_b']:.1f}B params, random weights), {dtype}, "
           f"{gpu}, torch {torch.__version__}, eager PyTorch, L1 page {a.page_size} tokens, write policy "
-          f"{a.write_policy}, L3 {l3.split(':')[0]} store; ratios vs the in-run no-cache baseline (rag_ws: vs L1 "
-          f"only); TTFT from the arrival of the request's round.")
+          f"{a.write_policy}, L3 {l3.split(':')[0]} store (l1l2l3)"
+          f"{', Redis (l1l2redis)' if 'l1l2redis' in modes else ''}; ratios vs the in-run no-cache baseline "
+          f"(rag_ws: vs L1 only); TTFT from the arrival of the request's round.")
     print(table(rows, base))
     if "ttft_long_prefix" in result:
         tl = result["ttft_long_prefix"]
@@ -452,6 +489,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
     print(f"\nJSON: {out}")
+    if local_redis is not None:
+        local_redis.stop()
     tmp.cleanup()
     return 0
 
