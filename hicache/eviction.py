@@ -325,8 +325,9 @@ class ARC(EvictionPolicy):
     Why: ARC splits the cache between new content and content that proved itself, and learns the split
     from its own mistakes, with no tuning. Measured (``benchmarks/hit_rate.py`` workloads, share of the
     offline optimum at 10% / 30% of the working set, seeds 0 / 1): RAG 92-93% / 96-98%, few-shot
-    100% / 100%, multi-turn 84% / 99% (seed 0) and 65% / 99% (seed 1), Mooncake 53% / 77% -- on a par
-    with ``reuse_lru`` (better on RAG and multi-turn at seed 0, worse at seed 1 and on Mooncake at 10%).
+    100% / 100%, multi-turn 80% / 99% (seed 0) and 63% / 98% (seed 1), Mooncake 52% / 78% -- close to
+    ``reuse_lru`` but not ahead of it (slightly better on RAG at seed 0 and Mooncake at 30%, worse on
+    multi-turn chat and Mooncake at 10%).
 
     Cost: O(1) per key and hook; inserting or removing a leaf is O(its pages) ghost look-ups; the ghosts
     hold at most 2 x ``peak`` page keys.
