@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -270,7 +270,7 @@ class ReuseLRU(EvictionPolicy):
                 hit = True
                 break
         node.meta = _Seen(_Birth(origin), hit)
-        self.peak_pages = max(self.peak_pages, self.tree.device_pages + self.tree.host_pages)
+        self.peak_pages = _peak_pages(self.tree, self.peak_pages)
 
     def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
         m = lower.meta
@@ -285,17 +285,21 @@ class ReuseLRU(EvictionPolicy):
         if not birth.reused and not birth.wasted:  # left unused: its origin wasted the pages
             birth.wasted = True
             self._settle(birth.origin, False)
-        ghost = self.ghost
-        for pk in node.page_keys:
-            ghost[pk] = m.birth
-            ghost.move_to_end(pk)
-        cap = int(self.GHOST_FACTOR * self.peak_pages)
-        while len(ghost) > cap:
-            ghost.popitem(last=False)
+        _remember(self.ghost, node.page_keys, m.birth, int(self.GHOST_FACTOR * self.peak_pages))
 
 
 def _peak_pages(tree: RadixTree, peak: int) -> int:
     return max(peak, tree.device_pages + tree.host_pages)
+
+
+def _remember(ghost: OrderedDict[bytes, Any], page_keys: Sequence[bytes], value: Any, cap: int) -> None:
+    """Put ``page_keys`` (with ``value``) at the new end of a ghost list, then forget its oldest keys
+    beyond ``cap``."""
+    for pk in page_keys:
+        ghost[pk] = value
+        ghost.move_to_end(pk)
+    while len(ghost) > cap:
+        ghost.popitem(last=False)
 
 
 class _ArcMeta:
@@ -383,12 +387,7 @@ class ARC(EvictionPolicy):
             return
         if not m.t2:
             self.t1_pages -= node.n_pages
-        ghost = self.b2 if m.t2 else self.b1
-        for pk in node.page_keys:
-            ghost[pk] = None
-            ghost.move_to_end(pk)
-        while len(ghost) > self.peak:
-            ghost.popitem(last=False)
+        _remember(self.b2 if m.t2 else self.b1, node.page_keys, None, self.peak)
 
 
 class _Lru2Meta:
@@ -462,10 +461,4 @@ class LRU2(EvictionPolicy):
         m = node.meta
         if m is None:
             return
-        ghost = self.ghost
-        for pk in node.page_keys:
-            ghost[pk] = m.last
-            ghost.move_to_end(pk)
-        cap = int(self.GHOST_FACTOR * self.peak)
-        while len(ghost) > cap:
-            ghost.popitem(last=False)
+        _remember(self.ghost, node.page_keys, m.last, int(self.GHOST_FACTOR * self.peak))
