@@ -13,7 +13,9 @@ In one run (needs a CUDA GPU and CuPy):
    pinned copy (the ceiling under that load: the GEMM's own memory traffic slows DMA too), the kernel
    path at several grid sizes and the copy engine (64 KiB pieces), and the staged path (4 KiB pieces,
    where ``auto`` picks it). Each transfer is given against the idle ceiling and against the
-   contiguous copy next to the same GEMM.
+   contiguous copy next to the same GEMM. Section ``sdpa``: the same against causal flash attention
+   (``scaled_dot_product_attention``, bf16 prefill), whose many short thread blocks let a waiting
+   high-priority copy kernel in between them, where the GEMM's persistent kernels hold every SM.
 4. Load and backup at once against the bidirectional ceiling, for 4 KiB, 64 KiB and 1 MiB pieces, each
    path and ``auto``.
 5. A 32-layer load overlapped with per-layer compute (GEMMs after ``wait_layer(i)``) against
@@ -282,33 +284,76 @@ def gemm_time(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
     return x.elapsed_time(y) / 1e3
 
 
-def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[str, Any]]:
-    """GEMM time next to transfers over GEMM time alone, measured in alternating pairs.
+class Compute(NamedTuple):
+    """An attention-like load for the slowdown sections: ``time(k)`` runs ``k`` steps, returns seconds."""
 
-    Both samples of a pair start after the same idle gap on the compute stream (clock and power state
-    alike); in the concurrent sample the transfers are submitted at the start of the gap.
-    """
+    name: str
+    time: Callable[[int], float]
+
+
+def gemm_compute() -> Compute:
+    """bf16 8192^3 GEMMs (about 1.4 ms each on an H200): every SM busy, persistent cuBLAS kernels."""
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    k = args.gemms
-    gap = 0.01
-    for _ in range(3):
-        gemm_time(a, b, k)
-    s64 = Setup(layout_for_piece(64 << 10, args.layers), args.total_mib << 20, seed=99)
-    s4 = Setup(layout_for_piece(4 << 10, args.layers), args.total_mib << 20, seed=98)
-    rows = []
+    return Compute("GEMM", partial(gemm_time, a, b))
+
+
+def sdpa_compute() -> Compute:
+    """Causal bf16 prefill attention (``scaled_dot_product_attention``): 4 sequences x 32 heads x 4,096
+    tokens x 128 dims per step, the attention of one layer of an 8B-shaped model on a 16k-token batch."""
+    q, k_, v = (torch.randn(4, 32, 4096, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+
+    def run(steps: int) -> float:
+        x, y = ev(), ev()
+        x.record()
+        for _ in range(steps):
+            torch.nn.functional.scaled_dot_product_attention(q, k_, v, is_causal=True)
+        y.record()
+        y.synchronize()
+        return x.elapsed_time(y) / 1e3
+
+    return Compute("SDPA", run)
+
+
+def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    """Section 3 on GEMMs: the kernel path at every grid size of ``--blocks-sweep``."""
     configs: list[tuple[str, str, dict[str, Any]]] = [("h2d", "pinned", {}), ("d2h", "pinned", {})]
     configs += [("h2d", "kernel", {"blocks": bl}) for bl in args.blocks_sweep]
     configs += [("d2h", "kernel", {}), ("h2d", "copy_engine", {}), ("d2h", "copy_engine", {}),
                 ("h2d", "staged", {}), ("d2h", "staged", {})]
-    under: dict[str, float] = {}  # contiguous pinned copy GB/s next to the GEMM: the ceiling under load
+    return bench_compute(args, ceil, gemm_compute(), configs)
 
-    def gemm_after_gap(submit: Callable[[], Burst] | None) -> tuple[float, Burst | None]:
+
+def bench_sdpa(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    """Section 3 on flash attention: every path at its default grid."""
+    configs: list[tuple[str, str, dict[str, Any]]] = [
+        (d, b, {}) for b in ("pinned", "kernel", "copy_engine", "staged") for d in ("h2d", "d2h")]
+    return bench_compute(args, ceil, sdpa_compute(), configs)
+
+
+def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Compute,
+                  configs: list[tuple[str, str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Compute time next to transfers over compute time alone, measured in alternating pairs.
+
+    Both samples of a pair start after the same idle gap on the compute stream (clock and power state
+    alike); in the concurrent sample the transfers are submitted at the start of the gap. The first
+    configuration of each direction should be ``pinned``: it gives the ceiling under that compute.
+    """
+    k = args.gemms
+    gap = 0.01
+    for _ in range(3):
+        compute.time(k)
+    s64 = Setup(layout_for_piece(64 << 10, args.layers), args.total_mib << 20, seed=99)
+    s4 = Setup(layout_for_piece(4 << 10, args.layers), args.total_mib << 20, seed=98)
+    rows = []
+    under: dict[str, float] = {}  # contiguous pinned copy GB/s next to the compute: the ceiling under load
+
+    def after_gap(submit: Callable[[], Burst] | None) -> tuple[float, Burst | None]:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         burst = submit() if submit is not None else None
         time.sleep(max(0.0, t0 + gap - time.perf_counter()))
-        return gemm_time(a, b, k), burst
+        return compute.time(k), burst
 
     for direction, backend, kw in configs:
         s = s4 if backend == "staged" else s64  # the staged path is auto's choice for small pieces
@@ -318,7 +363,7 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
         one = partial(_load, eng, s) if direction == "h2d" else partial(_backup, eng, s)
         t_alone_transfer, _ = time_device(one, L, args.reps)
         alone_gbps = s.bytes / t_alone_transfer / GB
-        m = max(2, math.ceil((gap + 1.5 * gemm_time(a, b, k)) / t_alone_transfer))
+        m = max(2, math.ceil((gap + 1.5 * compute.time(k)) / t_alone_transfer))
         stream = eng.load_stream if direction == "h2d" else eng.backup_stream
 
         def many(one: Callable[[], list[TransferHandle]] = one, m: int = m,
@@ -332,8 +377,8 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
 
         slow, gbps, alone_ms = [], [], []
         for _ in range(args.reps):
-            t_alone, _ = gemm_after_gap(None)
-            t_conc, burst = gemm_after_gap(many)
+            t_alone, _ = after_gap(None)
+            t_conc, burst = after_gap(many)
             assert burst is not None
             burst.end.synchronize()
             for h in burst.handles:
@@ -349,18 +394,22 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
             blocks = kw.get("blocks", copier.blocks)
         if backend == "pinned":
             under[direction] = median(gbps)
-        row: dict[str, Any] = {"direction": direction, "backend": backend, "blocks": blocks,
-               "piece_bytes": s.layout.bytes_per_layer_piece,
-               "gemm_alone_ms": median(alone_ms), "gemm_slowdown": median(slow), "transfer_gbps": median(gbps),
-               "transfer_ratio": median(gbps) / ceil[direction], "transfer_alone_gbps": alone_gbps,
-               "transfer_alone_ratio": alone_gbps / ceil[direction],
-               "ratio_to_pinned_under_gemm": median(gbps) / under[direction]}
+        base = under.get(direction, ceil[direction])
+        row: dict[str, Any] = {"compute": compute.name, "direction": direction, "backend": backend,
+                               "blocks": blocks, "piece_bytes": s.layout.bytes_per_layer_piece,
+                               "compute_alone_ms": median(alone_ms), "compute_slowdown": median(slow),
+                               "gemm_alone_ms": median(alone_ms), "gemm_slowdown": median(slow),
+                               "transfer_gbps": median(gbps), "transfer_ratio": median(gbps) / ceil[direction],
+                               "transfer_alone_gbps": alone_gbps,
+                               "transfer_alone_ratio": alone_gbps / ceil[direction],
+                               "ratio_to_pinned_under_compute": median(gbps) / base,
+                               "ratio_to_pinned_under_gemm": median(gbps) / base}
         rows.append(row)
         grid = {"kernel": f"{blocks} blocks", "staged": f"DMA+{blocks}", "pinned": "one copy"}.get(backend, "DMA")
-        print(f"GEMM next to {direction} {backend:<11} ({grid:>8}, {row['piece_bytes'] >> 10:>2} KiB): "
-              f"GEMM {100 * row['gemm_slowdown']:+5.1f}%  "
+        print(f"{compute.name} next to {direction} {backend:<11} ({grid:>8}, {row['piece_bytes'] >> 10:>2} KiB): "
+              f"{compute.name} {100 * row['compute_slowdown']:+5.1f}%  "
               f"transfer {row['transfer_gbps']:5.1f} GB/s ({row['transfer_ratio']:.2f} of ceiling, "
-              f"{row['ratio_to_pinned_under_gemm']:.2f} of one pinned copy next to the GEMM; "
+              f"{row['ratio_to_pinned_under_compute']:.2f} of one pinned copy next to the {compute.name}; "
               f"alone {alone_gbps:5.1f} = {row['transfer_alone_ratio']:.2f})", flush=True)
     return rows
 
@@ -449,10 +498,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8, help="layers of the pools in the piece-size sweep")
     p.add_argument("--pieces", type=int, nargs="+", default=list(PIECES_KIB), help="piece sizes in KiB")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--gemms", type=int, default=12, help="8192^3 GEMMs per slowdown sample")
+    p.add_argument("--gemms", type=int, default=12,
+                   help="compute steps per slowdown sample (8192^3 GEMMs, or SDPA calls)")
     p.add_argument("--blocks-sweep", type=int, nargs="+", default=[4, 1, 2, 8])
     p.add_argument("--loop-cap", type=int, default=8192, help="most copies timed in the per-page loop")
-    p.add_argument("--sections", nargs="+", default=["pieces", "gemm", "bidir", "overlap"])
+    p.add_argument("--sections", nargs="+", default=["pieces", "gemm", "sdpa", "bidir", "overlap"],
+                   choices=["pieces", "gemm", "sdpa", "bidir", "overlap"])
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("transfer_bandwidth: needs a CUDA GPU", file=sys.stderr)
@@ -472,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         result["pieces"] = bench_pieces(args, ceil)
     if "gemm" in args.sections:
         result["gemm"] = bench_gemm(args, ceil)
+    if "sdpa" in args.sections:
+        result["sdpa"] = bench_sdpa(args, ceil)
     if "bidir" in args.sections:
         result["bidir"] = bench_bidir(args, ceil)
     if "overlap" in args.sections:

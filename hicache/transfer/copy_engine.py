@@ -48,9 +48,11 @@ def plan_copies(dev_ptrs: np.ndarray, host_base: int, host_page_stride: int, hos
                 to_host: bool) -> CopyPlan:
     """Copies for slots ``[lc_begin, lc_begin + n_lc)`` of the page pairs ``(dev_idx[i], host_idx[i])``.
 
-    Addresses as in ``kernels/page_copy.cu``. Pairs are ordered by device page; a run of pairs whose
-    device and host pages both step by one becomes a single copy when the host piece stride equals the
-    piece size (then both sides are contiguous), otherwise each pair stays one copy.
+    Addresses as in ``kernels/page_copy.cu``. Within each slot the copies go in ascending host address
+    (pairs ordered by host page): the copy engine reaches the link ceiling on pieces of 8-16 KiB when it
+    walks host memory in order, against about 0.87 in random host order (H200, PCIe Gen5). A run of
+    pairs whose device and host pages both step by one becomes a single copy when the host piece stride
+    equals the piece size (then both sides are contiguous), otherwise each pair stays one copy.
     """
     dev_idx = np.asarray(dev_idx, dtype=np.int64)
     host_idx = np.asarray(host_idx, dtype=np.int64)
@@ -58,7 +60,7 @@ def plan_copies(dev_ptrs: np.ndarray, host_base: int, host_page_stride: int, hos
     if n == 0 or n_lc <= 0:
         empty = np.zeros(0, dtype=np.uint64)
         return CopyPlan(empty, empty, empty)
-    order = np.argsort(dev_idx, kind="stable")
+    order = np.argsort(host_idx, kind="stable")
     d = dev_idx[order]
     h = host_idx[order]
     if host_page_stride == piece_bytes:

@@ -171,7 +171,7 @@ class _Stager:
 @register_engine("cuda")
 class CudaTransferEngine(TransferEngine):
     name = "cuda"
-    sort_staged_backups = True  # staged backups write host pages in address order
+    sort_by_host = True  # every path walks host memory in address order (see _submit)
 
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, io_backend: str = "auto",
                  blocks: int | None = None, threads: int = DEFAULT_THREADS,
@@ -348,6 +348,12 @@ class CudaTransferEngine(TransferEngine):
         if n == 0:
             return CudaHandle(L, 0, [], "none", self.device)
         backend = self.choose_backend(dev_idx, host_idx)
+        if self.sort_by_host:
+            # Any order of the pairs moves the same bytes; host memory read or written in address order
+            # is faster over PCIe (measured on an H200: staged backups of 4 KiB pieces 0.88 -> 0.93 of the
+            # ceiling, copy-engine copies of 8-16 KiB pieces 0.87 -> 1.00).
+            order = np.argsort(host_idx, kind="stable")
+            dev_idx, host_idx = np.asarray(dev_idx)[order], np.asarray(host_idx)[order]
         stream = self.backup_stream if to_host else self.load_stream
         host_pages = np.unique(host_idx)
         dev_pages = np.unique(dev_idx)
@@ -435,11 +441,6 @@ class CudaTransferEngine(TransferEngine):
         sst = st.stream
         for ev in deps:
             sst.wait_event(ev)
-        if to_host and self.sort_staged_backups:
-            # write host memory in address order (and merge runs of consecutive host pages into one copy);
-            # any order of the pairs moves the same bytes
-            order = np.argsort(host_idx, kind="stable")
-            dev_idx, host_idx = np.asarray(dev_idx)[order], np.asarray(host_idx)[order]
         idx_host = torch.from_numpy(np.ascontiguousarray(dev_idx, dtype=np.int64)).pin_memory()
         with torch.cuda.stream(sst):
             idx = idx_host.to(self.device, non_blocking=True)

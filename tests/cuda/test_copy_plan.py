@@ -85,6 +85,21 @@ def test_plan_matches_reference(host_layout: str, layout: KVLayout, contiguous: 
             assert torch.equal(got, ref.view(torch.uint8))
 
 
+def test_plan_walks_host_memory_in_order() -> None:
+    """Each slot's copies go in ascending host address, whatever order the pairs came in."""
+    layout = KVLayout(4, 2, 8, "bfloat16", 2)
+    rng = np.random.default_rng(3)
+    dev, host = _pools(layout, 64, 64, "page_first", rng)
+    ptrs, hps, hlcs = _geometry(dev, host)
+    d, h = rng.permutation(64)[:40], rng.permutation(64)[:40]
+    L, C = layout.num_layers, layout.kv_count
+    for to_host in (False, True):
+        plan = plan_copies(ptrs, host.buffer.data_ptr(), hps, hlcs, layout.bytes_per_layer_piece, d, h, 0, L * C,
+                           to_host)
+        host_addr = (plan.dst if to_host else plan.src).astype(np.int64).reshape(L * C, -1)
+        assert (np.diff(host_addr, axis=1) > 0).all()
+
+
 def test_empty_plan() -> None:
     p = plan_copies(np.zeros(2, np.uint64), 0, 8, 8, 8, np.zeros(0, np.int64), np.zeros(0, np.int64), 0, 2, False)
     assert p.n_copies == 0 and p.nbytes == 0
