@@ -49,8 +49,7 @@ def plan_copies(dev_ptrs: np.ndarray, host_base: int, host_page_stride: int, hos
     """Copies for slots ``[lc_begin, lc_begin + n_lc)`` of the page pairs ``(dev_idx[i], host_idx[i])``.
 
     Addresses as in ``kernels/page_copy.cu``. Within each slot the copies go in ascending host address
-    (pairs ordered by host page): the copy engine reaches the link ceiling on pieces of 8-16 KiB when it
-    walks host memory in order, against about 0.87 in random host order (H200, PCIe Gen5). A run of
+    (pairs ordered by host page), the order in which host memory is written fastest over PCIe. A run of
     pairs whose device and host pages both step by one becomes a single copy when the host piece stride
     equals the piece size (then both sides are contiguous), otherwise each pair stays one copy.
     """
