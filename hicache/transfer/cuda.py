@@ -86,6 +86,7 @@ IO_BACKENDS = ("kernel", "copy_engine", "staged", "auto")
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
 STAGE_SLOTS = 4  # staging slots per direction: DMA keeps going while a slot waits for SMs to free it
+STAGE_RAMP = 4  # smaller chunks at a backup's start and a load's end: 1/16, 1/8, 1/4, 1/2 of a slot
 
 
 @dataclass(frozen=True)
@@ -450,8 +451,11 @@ class CudaTransferEngine(TransferEngine):
         sh, ssh = stream.cuda_stream, sst.cuda_stream
         for l0 in range(0, L, per_group):
             ng = min(per_group, L - l0)
+            last = l0 + ng >= L
+            ramp_up = STAGE_RAMP if to_host and l0 == 0 else 0
+            ramp_down = STAGE_RAMP if not to_host and last else 0
             for ch in plan_group(g.host_base, g.host_page_stride, piece, C, host_idx, l0, ng, st.slot_bytes,
-                                 to_host):
+                                 to_host, ramp_up, ramp_down):
                 s, base = st.take()
                 plan = with_slot_base(ch.plan, base, to_host)
                 n, iptr = ch.i1 - ch.i0, idx.data_ptr() + 8 * ch.i0
