@@ -5,56 +5,27 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import treecache
+from treecache import NS, TreeCache, tb
 
 from hicache.config import CacheConfig
 from hicache.eviction import ReuseLRU, get_policy, make_policy, policy_names
 from hicache.radix import RadixTree, TreeNode
 
 PAGE = 4
-NS = b"ns"
-
-
-def tb(tokens: list[int]) -> bytes:
-    return np.asarray(tokens, dtype="<u4").tobytes()
 
 
 def keys(tokens: list[int]) -> list[bytes]:
-    return [tb(tokens[: (i + 1) * PAGE]) for i in range(len(tokens) // PAGE)]
-
-
-class L1:
-    """An L1-only tree of ``capacity`` pages served request by request, as the cache does: match (locks the
-    hit prefix), free pages by eviction, insert the whole sequence, unlock."""
-
-    def __init__(self, policy: str, capacity: int) -> None:
-        self.tree = RadixTree(PAGE, policy)
-        self.free = list(range(capacity))
-
-    def serve(self, tokens: list[int]) -> int:
-        """Pages of ``tokens`` hit on L1."""
-        b = tb(tokens)
-        m = self.tree.match(NS, b)
-        self.tree.lock(m.l1_node)
-        hit = m.l1_pages
-        need = len(tokens) // PAGE - hit
-        if need > len(self.free):
-            for arr in self.tree.evict_device(need - len(self.free), lambda n: False):
-                self.free.extend(int(x) for x in arr)
-        new = [self.free.pop() for _ in range(need)]
-        dev = np.concatenate([m.device_indices, np.asarray(new, dtype=np.int64)])
-        res = self.tree.insert(NS, b, keys(tokens), device=dev)
-        assert res is not None and not res.reused[hit:].any()
-        self.tree.unlock(m.l1_node)
-        self.tree.check_invariants()
-        return hit
-
-    def cached(self, tokens: list[int]) -> int:
-        return self.tree.match(NS, tb(tokens), touch=False).l1_pages
+    return treecache.keys(tokens, PAGE)
 
 
 def content(tag: int, pages: int) -> list[int]:
     """``pages`` pages of tokens unique to ``tag``."""
-    return [tag * 1000 + i for i in range(pages * PAGE)]
+    return treecache.content(tag, pages, PAGE)
+
+
+def L1(policy: str, capacity: int) -> TreeCache:
+    return TreeCache(policy, capacity, PAGE)
 
 
 def test_registry_builds_one_policy_per_tree() -> None:
@@ -73,7 +44,7 @@ def _leaf(last_access: int) -> TreeNode:
     return node
 
 
-def _one_off_stream(c: L1, start: int, n: int, pages: int) -> None:
+def _one_off_stream(c: TreeCache, start: int, n: int, pages: int) -> None:
     for i in range(n):
         assert c.serve(content(start + i, pages)) == 0
 

@@ -4,71 +4,28 @@ sequences with L1 and L2 eviction."""
 
 from __future__ import annotations
 
-import numpy as np
+import treecache
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from treecache import NS, TreeCache, tb
 
 from hicache.eviction import ARC, LRU2, make_policy, policy_names
-from hicache.radix import RadixTree, TreeNode
+from hicache.radix import RadixTree
 
 PAGE = 2
-NS = b"ns"
-
-
-def tb(tokens: list[int]) -> bytes:
-    return np.asarray(tokens, dtype="<u4").tobytes()
 
 
 def keys(tokens: list[int]) -> list[bytes]:
-    return [tb(tokens[: (i + 1) * PAGE]) for i in range(len(tokens) // PAGE)]
-
-
-class Cache:
-    """A tree of ``capacity`` L1 pages (and an unbounded L2 when ``backup``) served request by request as
-    the cache does: match and lock the hit prefix, evict what the new pages need, insert, unlock."""
-
-    def __init__(self, policy: str, capacity: int, backup: bool = False) -> None:
-        self.tree = RadixTree(PAGE, policy)
-        self.free = list(range(capacity))
-        self.backup = backup
-        self.host_ids = iter(range(10**9))
-        self.evicted: list[int] = []  # L1 page indices freed, in order
-
-    def _backup(self, node: TreeNode) -> bool:
-        if self.backup:
-            self.tree.set_host(node, np.asarray([next(self.host_ids) for _ in range(node.n_pages)]))
-        return self.backup
-
-    def serve(self, tokens: list[int]) -> int:
-        """Pages of ``tokens`` hit on L1."""
-        b = tb(tokens)
-        m = self.tree.match(NS, b)
-        hit = m.l1_pages
-        self.tree.lock(m.l1_node)
-        try:
-            need = len(tokens) // PAGE - hit
-            if need > len(self.free):
-                for arr in self.tree.evict_device(need - len(self.free), self._backup):
-                    self.evicted.extend(int(x) for x in arr)
-                    self.free.extend(int(x) for x in arr)
-            if need > len(self.free):  # everything else is locked: cache nothing new
-                return hit
-            new = [self.free.pop() for _ in range(need)]
-            dev = np.concatenate([m.device_indices, np.asarray(new, dtype=np.int64)])
-            if need:
-                self.tree.insert(NS, b, keys(tokens), device=dev)
-        finally:
-            self.tree.unlock(m.l1_node)
-        self.tree.check_invariants()
-        return hit
-
-    def cached(self, tokens: list[int]) -> int:
-        return self.tree.match(NS, tb(tokens), touch=False).l1_pages
+    return treecache.keys(tokens, PAGE)
 
 
 def content(tag: int, pages: int) -> list[int]:
     """``pages`` pages of tokens unique to ``tag``."""
-    return [tag * 1000 + i for i in range(pages * PAGE)]
+    return treecache.content(tag, pages, PAGE)
+
+
+def Cache(policy: str, capacity: int, backup: bool = False) -> TreeCache:
+    return TreeCache(policy, capacity, PAGE, backup)
 
 
 def test_registered() -> None:
