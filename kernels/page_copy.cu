@@ -204,3 +204,13 @@ DEFINE_PAGE_LOAD_LAYERS(page_load_layers_8, uint2)
 DEFINE_PAGE_LOAD_LAYERS(page_load_layers_4, unsigned int)
 DEFINE_PAGE_LOAD_LAYERS(page_load_layers_2, unsigned short)
 DEFINE_PAGE_LOAD_LAYERS(page_load_layers_1, unsigned char)
+
+// fetch_indices: copy n int64 values from pinned host memory (device-visible address) to device memory
+// with the SMs. Index arrays reach the GPU this way rather than by a copy-engine memcpy, which would queue
+// behind bulk DMA already in flight in the same direction: a backup submitted during a large load would
+// otherwise not start its gather until the load's queued copies had drained.
+extern "C" __global__ void fetch_indices(const i64* __restrict__ src, i64* __restrict__ dst, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        dst[i] = src[i];
+    }
+}

@@ -31,6 +31,8 @@ DEFAULT_BLOCKS = DEFAULT_BACKUP_BLOCKS
 DEFAULT_STAGE_BLOCKS = 8
 DEFAULT_THREADS = 1024
 UNROLL = 8  # PAGE_COPY_UNROLL in the source: vectors each thread has in flight
+FETCH_THREADS = 256  # fetch_indices: index arrays are small; a few blocks read them over the link
+FETCH_MAX_BLOCKS = 16
 ITEMS_FLAG = 2  # PAGE_COPY_ITEMS in the source: a device-to-device backup walks work items, as loads do
 
 _modules: dict[int, Any] = {}
@@ -58,6 +60,7 @@ def _module(device_index: int) -> Any:
                 for w in VECTOR_WIDTHS:  # compile and load now, not inside a timed region
                     mod.get_function(f"page_copy_{w}")
                     mod.get_function(f"page_load_layers_{w}")
+                mod.get_function("fetch_indices")
             _modules[device_index] = mod
         return mod
 
@@ -115,6 +118,7 @@ class KernelCopier:
         self._module = _module(device_index)
         self._kernel = self._module.get_function(f"page_copy_{self.width}")
         self._layers_kernel = self._module.get_function(f"page_load_layers_{self.width}")
+        self._fetch_kernel = self._module.get_function("fetch_indices")
         for k in (self._kernel, self._layers_kernel):  # never ask for more threads than the kernel can take
             self.threads = min(self.threads, int(getattr(k, "max_threads_per_block", self.threads)))
         self._cupy = cupy
@@ -139,6 +143,19 @@ class KernelCopier:
         chunk = 32 * UNROLL  # vectors of one warp's work item
         items = n_pages * n_lc * -(-self.piece_vecs // chunk)
         return max(1, min(self.blocks, -(-items * 32 // self.threads)))
+
+    def fetch_indices(self, stream_handle: int, src_host_ptr: int, dst_ptr: int, n: int) -> None:
+        """Copy ``n`` int64 from pinned host memory (``src_host_ptr``, device-visible) to device memory
+        ``dst_ptr`` with a small kernel on ``stream_handle``.
+
+        Not a copy-engine memcpy: that would queue behind bulk DMA already in flight in the same
+        direction, so a backup submitted during a large load would wait for the load to drain.
+        """
+        if n <= 0:
+            return
+        grid = max(1, min(FETCH_MAX_BLOCKS, -(-n // FETCH_THREADS)))
+        with self._cupy.cuda.Device(self.device_index), self._ext_stream(stream_handle):
+            self._fetch_kernel((grid,), (FETCH_THREADS,), (np.uint64(src_host_ptr), np.uint64(dst_ptr), np.int64(n)))
 
     def launch(self, stream_handle: int, dev_idx_ptr: int, host_idx_ptr: int, n_pages: int,
                lc_begin: int, n_lc: int, to_host: bool) -> None:
