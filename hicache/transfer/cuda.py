@@ -50,7 +50,8 @@ I/O backends (``io_backend``):
   burst on a few SMs scatters them into the layer-first pool (backups: gather, then DMA). Small pieces
   then move at the copy engine's full rate. Loads go by groups of layers (the fewest whose run per page
   reaches ``ce_min_copy_bytes``); every layer of a group is ready at once. ``staging_bytes`` (default
-  64 MiB per direction, device memory taken on first use) is split into four slots used in turn. See
+  64 MiB, device memory taken on first use) is split into four slots used in turn; backups use four
+  slots of at most ``BACKUP_SLOT_BYTES`` (8 MiB), which stay in L2 between gather and DMA. See
   :mod:`hicache.transfer.staged`.
 * ``auto``: per transfer, the copy engine when its copies average at least ``ce_min_copy_bytes``
   (default 64 KiB: measured on H200/PCIe Gen5, the copy engine then runs at the link ceiling with
@@ -91,6 +92,11 @@ IO_BACKENDS = ("kernel", "copy_engine", "staged", "auto")
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
 STAGE_SLOTS = 4  # staging slots per direction: DMA keeps going while a slot waits for SMs to free it
+# A backup's slots are at most this large (loads use staging_bytes / STAGE_SLOTS): the slot a DMA reads
+# was then written recently enough to still be in L2 (50 MB on an H200), and a device-to-host DMA reading
+# HBM while gathers load it runs well below the link (4 KiB pieces, H200: 16 MiB slots 0.92 of the link,
+# 8 MiB 0.95, 4 MiB 0.97 at twice the host submission time).
+BACKUP_SLOT_BYTES = 8 << 20
 STAGE_RAMP = 4  # smaller chunks at a backup's start and a load's end: 1/16, 1/8, 1/4, 1/2 of a slot
 
 
@@ -429,6 +435,8 @@ class CudaTransferEngine(TransferEngine):
         if st is None:
             C = self.layout.kv_count
             slot = self.staging_bytes // STAGE_SLOTS
+            if to_host:  # small enough to stay in L2, large enough for a whole page where loads allow one
+                slot = min(slot, max(BACKUP_SLOT_BYTES, self.layout.num_layers * C * self.layout.bytes_per_layer_piece))
             max_pages = slot // (C * self.layout.bytes_per_layer_piece)
             st = self._stagers[to_host] = _Stager(self.device, STAGE_SLOTS, slot, max_pages)
         return st

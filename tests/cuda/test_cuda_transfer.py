@@ -317,6 +317,37 @@ def test_load_waits_for_backup_of_same_host_pages(io_backend: str) -> None:
         eng.close()
 
 
+@pytest.mark.parametrize("io_backend", ["kernel", "staged"])
+def test_backup_starts_while_a_large_load_is_queued(io_backend: str) -> None:
+    """A backup submitted behind a large copy-engine load finishes long before that load does.
+
+    The backup's index array must not reach the GPU by a copy that queues behind the load's DMA (it would
+    then start only once the whole load had drained), and it copies the right pages.
+    """
+    layout = KVLayout(4, 8, 128, "bfloat16", 64)  # 128 KiB pieces: the load is 4 x 2 x 128 KiB per page
+    n_load, n_back = 512, 8  # 512 MiB load (about 10 ms at PCIe Gen5 rates), 8 MiB backup
+    dev, host = _pools(layout, n_load + n_back, n_load + n_back, "page_first", seed=14, pin=True)
+    big = create_engine("cuda", dev, host, io_backend="copy_engine")
+    small = create_engine("cuda", dev, host, io_backend=io_backend)
+    try:
+        src = [[t[n_load:].view(torch.uint8).cpu() for t in row] for row in dev.kv]
+        pages = np.arange(n_load, dtype=np.int64)
+        back_dev = np.arange(n_load, n_load + n_back, dtype=np.int64)
+        back_host = back_dev[::-1].copy()
+        load = big.load(pages, pages)
+        back = small.backup(back_dev, back_host)
+        back.wait()
+        assert not load.done(), "the backup waited for the whole load"
+        load.wait()
+        for layer in range(layout.num_layers):
+            for c in range(2):
+                got = host.buffer[torch.from_numpy(back_host), layer, c].view(torch.uint8).reshape(n_back, -1)
+                assert torch.equal(got, src[layer][c].reshape(n_back, -1)), (layer, c)
+    finally:
+        small.close()
+        big.close()
+
+
 def test_auto_picks_copy_engine_for_large_runs() -> None:
     layout = KVLayout(2, 8, 128, "bfloat16", 64)  # 128 KiB pieces
     dev, host = _pools(layout, 64, 64, "layer_first", seed=12)
