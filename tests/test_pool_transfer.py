@@ -115,3 +115,12 @@ def test_host_page_bytes_round_trip_and_size_check() -> None:
         assert host.page_bytes(1) == data
         with pytest.raises(ValueError, match="bytes"):
             host.write_page_bytes(0, data[:-2])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=50), max_size=80))
+def test_sorted_unique_matches_numpy(values: list[int]) -> None:
+    from hicache.transfer.base import sorted_unique
+
+    a = np.array(values, dtype=np.int64)
+    assert np.array_equal(sorted_unique(a), np.unique(a))

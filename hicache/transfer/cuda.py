@@ -74,7 +74,7 @@ import numpy as np
 import torch
 
 from hicache.pool import DevicePool, HostPool
-from hicache.transfer.base import TransferEngine, TransferHandle, register_engine
+from hicache.transfer.base import TransferEngine, TransferHandle, register_engine, sorted_unique
 from hicache.transfer.copy_engine import CopyPlan, CudaRuntime, plan_copies
 from hicache.transfer.cuda_driver import StreamWaiter
 from hicache.transfer.cuda_kernels import (
@@ -368,8 +368,8 @@ class CudaTransferEngine(TransferEngine):
             order = np.argsort(host_idx, kind="stable")
             dev_idx, host_idx = np.asarray(dev_idx)[order], np.asarray(host_idx)[order]
         stream = self.backup_stream if to_host else self.load_stream
-        host_pages = np.unique(host_idx)
-        dev_pages = np.unique(dev_idx)
+        host_pages = sorted_unique(host_idx)
+        dev_pages = sorted_unique(dev_idx)
         with self._lock, torch.cuda.device(self.device):
             compute = torch.cuda.current_stream(self.device)
             ready = torch.cuda.Event()

@@ -106,28 +106,30 @@ def plan_group(host_base: int, host_page_stride: int, piece_bytes: int, kv_count
     run = n_layers * kv_count * piece_bytes
     if run <= 0 or run > slot_bytes:
         raise ValueError(f"a run of {run} bytes does not fit a staging slot of {slot_bytes} bytes")
-    per_chunk = slot_bytes // run
-    whole_page = run == host_page_stride
-    off = layer_begin * kv_count * piece_bytes
+    n = len(host_idx)
+    sizes = chunk_sizes(n, slot_bytes // run, ramp_up, ramp_down)
+    chunk_i0 = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=chunk_i0[1:])
+    # One pass over the whole transfer (a submission plans thousands of pages): a copy starts at every
+    # chunk start and, when runs are whole host pages, wherever the next page is not the next host page.
+    brk = np.ones(n, dtype=bool)
+    if run == host_page_stride and n > 1:
+        np.not_equal(np.diff(host_idx), 1, out=brk[1:])
+        brk[chunk_i0] = True
+    starts = np.flatnonzero(brk)
+    lengths = np.diff(np.append(starts, n))
+    owner = np.searchsorted(chunk_i0, starts, side="right") - 1  # chunk of each copy
+    host_addr = (host_base + host_idx[starts] * host_page_stride + layer_begin * kv_count * piece_bytes
+                 ).astype(np.uint64)
+    slot_off = ((starts - chunk_i0[owner]) * run).astype(np.uint64)
+    size = (lengths * run).astype(np.uint64)
+    edges = np.searchsorted(starts, np.append(chunk_i0, n))
     chunks = []
-    i0 = 0
-    for count in chunk_sizes(len(host_idx), per_chunk, ramp_up, ramp_down):
-        h = host_idx[i0: i0 + count]
-        n = len(h)
-        if whole_page:
-            brk = np.ones(n, dtype=bool)
-            brk[1:] = np.diff(h) != 1
-            starts = np.flatnonzero(brk)
-            lengths = np.diff(np.append(starts, n))
-        else:
-            starts = np.arange(n)
-            lengths = np.ones(n, dtype=np.int64)
-        host_addr = (host_base + h[starts] * host_page_stride + off).astype(np.uint64)
-        slot_off = (starts * run).astype(np.uint64)
-        size = (lengths * run).astype(np.uint64)
-        plan = CopyPlan(host_addr, slot_off, size) if to_host else CopyPlan(slot_off, host_addr, size)
-        chunks.append(StagedChunk(i0, i0 + n, plan))
-        i0 += n
+    for k, i0 in enumerate(chunk_i0.tolist()):
+        lo, hi = int(edges[k]), int(edges[k + 1])
+        plan = (CopyPlan(host_addr[lo:hi], slot_off[lo:hi], size[lo:hi]) if to_host
+                else CopyPlan(slot_off[lo:hi], host_addr[lo:hi], size[lo:hi]))
+        chunks.append(StagedChunk(i0, i0 + sizes[k], plan))
     return chunks
 
 
