@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hicache.layout import KVLayout
 from hicache.pool import DevicePool, HostPool, PageAllocator
 from hicache.transfer import create_engine
+from hicache.transfer.base import sorted_unique
 
 
 @settings(max_examples=60, deadline=None)
@@ -120,7 +121,5 @@ def test_host_page_bytes_round_trip_and_size_check() -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=50), max_size=80))
 def test_sorted_unique_matches_numpy(values: list[int]) -> None:
-    from hicache.transfer.base import sorted_unique
-
     a = np.array(values, dtype=np.int64)
     assert np.array_equal(sorted_unique(a), np.unique(a))
