@@ -340,15 +340,13 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
     configuration of each direction should be ``pinned``: it gives the ceiling under that compute.
     """
     k = args.gemms
-    gap = 0.01
     for _ in range(3):
         compute.time(k)
-    s64 = Setup(layout_for_piece(64 << 10, args.layers), args.total_mib << 20, seed=99)
-    s4 = Setup(layout_for_piece(4 << 10, args.layers), args.total_mib << 20, seed=98)
+    setups: dict[int, Setup] = {}
     rows = []
     under: dict[str, float] = {}  # contiguous pinned copy GB/s next to the compute: the ceiling under load
 
-    def after_gap(submit: Callable[[], Burst] | None) -> tuple[float, Burst | None]:
+    def after_gap(submit: Callable[[], Burst] | None, gap: float) -> tuple[float, Burst | None]:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         burst = submit() if submit is not None else None
@@ -356,14 +354,21 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
         return compute.time(k), burst
 
     for direction, backend, kw in configs:
-        s = s4 if backend == "staged" else s64  # the staged path is auto's choice for small pieces
+        kw = dict(kw)
+        kib = kw.pop("piece_kib", 4 if backend == "staged" else 64)  # staged: auto's choice for small pieces
+        if kib not in setups:
+            setups[kib] = Setup(layout_for_piece(kib << 10, args.layers), args.total_mib << 20, seed=90 + kib)
+        s = setups[kib]
         L = s.layout.num_layers
         eng: CudaTransferEngine | PinnedCopy = (PinnedCopy(s.bytes) if backend == "pinned"
                                                  else s.engine(io_backend=backend, **kw))
         one = partial(_load, eng, s) if direction == "h2d" else partial(_backup, eng, s)
-        t_alone_transfer, _ = time_device(one, L, args.reps)
+        t_alone_transfer, t_submit = time_device(one, L, args.reps)
         alone_gbps = s.bytes / t_alone_transfer / GB
-        m = max(2, math.ceil((gap + 1.5 * compute.time(k)) / t_alone_transfer))
+        # The transfers are submitted during an idle gap before the compute starts, long enough for the
+        # host to queue all of them: the figures are the device's, with the host submission time beside.
+        m = max(2, math.ceil((0.01 + 1.5 * compute.time(k)) / t_alone_transfer))
+        gap = max(0.01, 1.25 * m * t_submit + 0.002)
         stream = eng.load_stream if direction == "h2d" else eng.backup_stream
 
         def many(one: Callable[[], list[TransferHandle]] = one, m: int = m,
@@ -377,8 +382,8 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
 
         slow, gbps, alone_ms = [], [], []
         for _ in range(args.reps):
-            t_alone, _ = after_gap(None)
-            t_conc, burst = after_gap(many)
+            t_alone, _ = after_gap(None, gap)
+            t_conc, burst = after_gap(many, gap)
             assert burst is not None
             burst.end.synchronize()
             for h in burst.handles:
@@ -403,14 +408,16 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
                                "transfer_alone_gbps": alone_gbps,
                                "transfer_alone_ratio": alone_gbps / ceil[direction],
                                "ratio_to_pinned_under_compute": median(gbps) / base,
-                               "ratio_to_pinned_under_gemm": median(gbps) / base}
+                               "ratio_to_pinned_under_gemm": median(gbps) / base,
+                               "host_submit_ms": t_submit * 1e3, "device_ms": t_alone_transfer * 1e3}
         rows.append(row)
         grid = {"kernel": f"{blocks} blocks", "staged": f"DMA+{blocks}", "pinned": "one copy"}.get(backend, "DMA")
         print(f"{compute.name} next to {direction} {backend:<11} ({grid:>8}, {row['piece_bytes'] >> 10:>2} KiB): "
               f"{compute.name} {100 * row['compute_slowdown']:+5.1f}%  "
               f"transfer {row['transfer_gbps']:5.1f} GB/s ({row['transfer_ratio']:.2f} of ceiling, "
               f"{row['ratio_to_pinned_under_compute']:.2f} of one pinned copy next to the {compute.name}; "
-              f"alone {alone_gbps:5.1f} = {row['transfer_alone_ratio']:.2f})", flush=True)
+              f"alone {alone_gbps:5.1f} = {row['transfer_alone_ratio']:.2f}; host submits one in "
+              f"{row['host_submit_ms']:.1f} ms, device {row['device_ms']:.1f} ms)", flush=True)
     return rows
 
 

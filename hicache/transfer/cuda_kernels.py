@@ -11,6 +11,7 @@ It needs a GPU and CuPy; importing this module does not (CuPy is imported on fir
 from __future__ import annotations
 
 import math
+import struct
 import threading
 import warnings
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hicache.transfer.cuda_driver import KernelLauncher
 
 SOURCE_NAME = "page_copy.cu"
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)
@@ -34,6 +37,13 @@ UNROLL = 8  # PAGE_COPY_UNROLL in the source: vectors each thread has in flight
 FETCH_THREADS = 256  # fetch_indices: index arrays are small; a few blocks read them over the link
 FETCH_MAX_BLOCKS = 16
 ITEMS_FLAG = 2  # PAGE_COPY_ITEMS in the source: a device-to-device backup walks work items, as loads do
+
+# Parameter lists of the kernels, as the driver lays them out (native alignment): used to pack the
+# arguments of a driver-API launch, and to type them for a CuPy launch.
+PAGE_COPY_ARGS = struct.Struct("@QQqqQQqiiqi")
+LOAD_LAYERS_ARGS = struct.Struct("@QQqqQQqiiqQQI")
+FETCH_ARGS = struct.Struct("@QQq")
+_NUMPY_OF = {"Q": np.uint64, "q": np.int64, "i": np.int32, "I": np.uint32}
 
 _modules: dict[int, Any] = {}
 _lock = threading.Lock()
@@ -125,6 +135,56 @@ class KernelCopier:
         self._dev_ptrs = torch.tensor(np.array(g.dev_ptrs, dtype=np.uint64).view(np.int64),
                                       device=f"cuda:{device_index}")
         self._streams: dict[int, Any] = {}
+        self._launcher: KernelLauncher | None = None
+        self._context = 0
+        self.driver_error: str | None = None  # why kernels are launched through CuPy, when they are
+        try:
+            launcher = KernelLauncher.get()
+            with cupy.cuda.Device(device_index):
+                torch.cuda.current_stream(device_index).synchronize()  # the device's context is current
+                self._context = launcher.current_context()
+            if not self._context:
+                raise RuntimeError("no current CUDA context")
+            for k in (self._kernel, self._layers_kernel, self._fetch_kernel):
+                if not int(getattr(k, "ptr", 0)):
+                    raise RuntimeError("CuPy gives no CUfunction handle")
+            self._launcher = launcher
+            self._self_test(torch)
+        except (OSError, RuntimeError, AttributeError, TypeError, ValueError) as e:
+            self._launcher = None  # CuPy launches instead
+            self.driver_error = f"{type(e).__name__}: {e}"
+
+    def _self_test(self, torch: Any) -> None:
+        """Launch each kernel once through the driver on empty work (and copy one index for real);
+        raises ``RuntimeError`` when a launch fails or the copied value is wrong."""
+        dev = f"cuda:{self.device_index}"
+        src = torch.tensor([0x0123456789ABCDEF], dtype=torch.int64, device=dev)
+        dst = torch.zeros(1, dtype=torch.int64, device=dev)
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        h, p = stream.cuda_stream, self._dev_ptrs.data_ptr()
+        self._run(self._fetch_kernel, 1, 32, h, FETCH_ARGS, src.data_ptr(), dst.data_ptr(), 1)
+        self._run(self._kernel, 1, self.threads, h, PAGE_COPY_ARGS, p, 0, 0, 0, 0, 0, 0, 0, 0, self.piece_vecs, 0)
+        self._run(self._layers_kernel, 1, self.threads, h, LOAD_LAYERS_ARGS, p, 0, 0, 0, 0, 0, 0, 0, 0,
+                  self.piece_vecs, 0, 0, 0)
+        stream.synchronize()
+        if int(dst.item()) != 0x0123456789ABCDEF:
+            raise RuntimeError("driver launch self-test copied the wrong value")
+
+    @property
+    def launches_by_driver(self) -> bool:
+        """True when kernels are launched through ``cuLaunchKernel`` directly (else through CuPy)."""
+        return self._launcher is not None
+
+    def _run(self, kernel: Any, grid: int, block: int, stream_handle: int, fmt: struct.Struct,
+             *args: int) -> None:
+        """Launch ``kernel`` with ``args`` (Python ints typed by ``fmt``) on ``stream_handle``."""
+        if self._launcher is not None:
+            self._launcher.launch(int(kernel.ptr), self._context, grid, block, stream_handle, fmt, *args)
+            return
+        typed = tuple(_NUMPY_OF[c](a) for c, a in zip(fmt.format.lstrip("@"), args, strict=True))
+        with self._cupy.cuda.Device(self.device_index), self._ext_stream(stream_handle):
+            kernel((grid,), (block,), typed)
 
     def _ext_stream(self, handle: int) -> Any:
         s = self._streams.get(handle)
@@ -154,8 +214,7 @@ class KernelCopier:
         if n <= 0:
             return
         grid = max(1, min(FETCH_MAX_BLOCKS, -(-n // FETCH_THREADS)))
-        with self._cupy.cuda.Device(self.device_index), self._ext_stream(stream_handle):
-            self._fetch_kernel((grid,), (FETCH_THREADS,), (np.uint64(src_host_ptr), np.uint64(dst_ptr), np.int64(n)))
+        self._run(self._fetch_kernel, grid, FETCH_THREADS, stream_handle, FETCH_ARGS, src_host_ptr, dst_ptr, n)
 
     def launch(self, stream_handle: int, dev_idx_ptr: int, host_idx_ptr: int, n_pages: int,
                lc_begin: int, n_lc: int, to_host: bool) -> None:
@@ -166,13 +225,9 @@ class KernelCopier:
             raise ValueError(f"slot range [{lc_begin}, {lc_begin + n_lc}) outside [0, {self.geometry.num_lc})")
         g = self.geometry
         grid = self.grid_for(n_pages, n_lc, to_host)
-        args = (
-            np.uint64(self._dev_ptrs.data_ptr()), np.uint64(g.host_base), np.int64(g.host_page_stride),
-            np.int64(g.host_lc_stride), np.uint64(dev_idx_ptr), np.uint64(host_idx_ptr), np.int64(n_pages),
-            np.int32(lc_begin), np.int32(n_lc), np.int64(self.piece_vecs), np.int32(1 if to_host else 0),
-        )
-        with self._cupy.cuda.Device(self.device_index), self._ext_stream(stream_handle):
-            self._kernel((grid,), (self.threads,), args)
+        self._run(self._kernel, grid, self.threads, stream_handle, PAGE_COPY_ARGS,
+                  self._dev_ptrs.data_ptr(), g.host_base, g.host_page_stride, g.host_lc_stride, dev_idx_ptr,
+                  host_idx_ptr, n_pages, lc_begin, n_lc, self.piece_vecs, 1 if to_host else 0)
 
     def launch_staged(self, stream_handle: int, dev_idx_ptr: int, pos_idx_ptr: int, n_pages: int, lc_begin: int,
                       n_lc: int, to_host: bool, slot_base: int) -> None:
@@ -191,13 +246,9 @@ class KernelCopier:
         piece = self.geometry.piece_bytes
         grid = self.grid_for(n_pages, n_lc)  # both directions walk work items (device memory only)
         base = (slot_base - lc_begin * piece) % (1 << 64)  # the kernel adds lc * piece back
-        args = (
-            np.uint64(self._dev_ptrs.data_ptr()), np.uint64(base), np.int64(n_lc * piece), np.int64(piece),
-            np.uint64(dev_idx_ptr), np.uint64(pos_idx_ptr), np.int64(n_pages), np.int32(lc_begin), np.int32(n_lc),
-            np.int64(self.piece_vecs), np.int32((1 if to_host else 0) | ITEMS_FLAG),
-        )
-        with self._cupy.cuda.Device(self.device_index), self._ext_stream(stream_handle):
-            self._kernel((grid,), (self.threads,), args)
+        self._run(self._kernel, grid, self.threads, stream_handle, PAGE_COPY_ARGS,
+                  self._dev_ptrs.data_ptr(), base, n_lc * piece, piece, dev_idx_ptr, pos_idx_ptr, n_pages,
+                  lc_begin, n_lc, self.piece_vecs, (1 if to_host else 0) | ITEMS_FLAG)
 
     def launch_load_layers(self, stream_handle: int, dev_idx_ptr: int, host_idx_ptr: int, n_pages: int,
                            n_layers: int, kv_count: int, counters_ptr: int, flags_ptr: int, seq: int) -> None:
@@ -211,11 +262,6 @@ class KernelCopier:
             raise ValueError(f"{n_layers} layers x {kv_count} != {self.geometry.num_lc} slots")
         g = self.geometry
         grid = self.grid_for(n_pages, kv_count)
-        args = (
-            np.uint64(self._dev_ptrs.data_ptr()), np.uint64(g.host_base), np.int64(g.host_page_stride),
-            np.int64(g.host_lc_stride), np.uint64(dev_idx_ptr), np.uint64(host_idx_ptr), np.int64(n_pages),
-            np.int32(n_layers), np.int32(kv_count), np.int64(self.piece_vecs), np.uint64(counters_ptr),
-            np.uint64(flags_ptr), np.uint32(seq),
-        )
-        with self._cupy.cuda.Device(self.device_index), self._ext_stream(stream_handle):
-            self._layers_kernel((grid,), (self.threads,), args)
+        self._run(self._layers_kernel, grid, self.threads, stream_handle, LOAD_LAYERS_ARGS,
+                  self._dev_ptrs.data_ptr(), g.host_base, g.host_page_stride, g.host_lc_stride, dev_idx_ptr,
+                  host_idx_ptr, n_pages, n_layers, kv_count, self.piece_vecs, counters_ptr, flags_ptr, seq)

@@ -124,13 +124,19 @@ def test_load_and_backup_match_torch(layout: KVLayout, width: int, host_layout: 
         eng.close()
 
 
+@pytest.mark.parametrize("launch", ["driver", "cupy"])
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize(("layout", "width"), LAYOUTS[:3] + LAYOUTS[-1:], ids=IDS[:3] + IDS[-1:])
-def test_kernel_one_layer_and_all_layers(layout: KVLayout, width: int, host_layout: str) -> None:
-    """The raw kernel for one slot range and for all slots, both directions."""
+def test_kernel_one_layer_and_all_layers(layout: KVLayout, width: int, host_layout: str, launch: str) -> None:
+    """The raw kernel for one slot range and for all slots, both directions, launched through the driver
+    API (the default) and through CuPy (the fallback)."""
     n_dev, n_host, n = 29, 31, 19
     dev, host = _pools(layout, n_dev, n_host, host_layout, seed=4)
     eng = create_engine("cuda", dev, host, io_backend="kernel", blocks=3, threads=128)
+    if launch == "driver":
+        assert eng.kernel.launches_by_driver, eng.kernel.driver_error
+    else:
+        eng.kernel._launcher = None
     try:
         L, C = layout.num_layers, layout.kv_count
         stream = torch.cuda.current_stream()
