@@ -13,43 +13,66 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
+from typing import Any, ClassVar, Self
 
 CU_STREAM_WAIT_VALUE_GEQ = 0x0
 
 
-class StreamWaiter:
-    """Driver entry points for stream memory waits; raises ``OSError`` when unavailable."""
+class _Driver:
+    """libcuda with the context calls typed; one instance per subclass (:meth:`get`)."""
 
-    _instance: StreamWaiter | None = None
+    _instances: ClassVar[dict[type, _Driver]] = {}
     _lock = threading.Lock()
 
     def __init__(self) -> None:
         lib = ctypes.CDLL("libcuda.so.1")
-        fn = getattr(lib, "cuStreamWaitValue32_v2", None) or getattr(lib, "cuStreamWaitValue32", None)
-        if fn is None:
-            raise OSError("cuStreamWaitValue32 not in libcuda")
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        self._wait = fn
-        lib.cuCtxGetCurrent.restype = ctypes.c_int
-        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        lib.cuCtxSetCurrent.restype = ctypes.c_int
-        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        for name, args in (("cuCtxGetCurrent", [ctypes.POINTER(ctypes.c_void_p)]),
+                           ("cuCtxSetCurrent", [ctypes.c_void_p]),
+                           ("cuCtxPushCurrent_v2", [ctypes.c_void_p]),
+                           ("cuCtxPopCurrent_v2", [ctypes.POINTER(ctypes.c_void_p)])):
+            fn = getattr(lib, name, None)
+            if fn is None:
+                raise OSError(f"{name} not in libcuda")
+            fn.restype = ctypes.c_int
+            fn.argtypes = args
         self._lib = lib
 
     @classmethod
-    def get(cls) -> StreamWaiter:
-        with cls._lock:
-            if cls._instance is None:
-                cls._instance = cls()
-            return cls._instance
+    def get(cls) -> Self:
+        """The process-wide instance (created on first use; raises ``OSError`` when unavailable)."""
+        with _Driver._lock:
+            inst = _Driver._instances.get(cls)
+            if inst is None:
+                inst = _Driver._instances[cls] = cls()
+            assert isinstance(inst, cls)
+            return inst
+
+    def _entry(self, *names: str) -> Any:
+        """The first of ``names`` that libcuda exports."""
+        for name in names:
+            fn = getattr(self._lib, name, None)
+            if fn is not None:
+                return fn
+        raise OSError(f"{names[0]} not in libcuda")
 
     def current_context(self) -> int:
+        """The ``CUcontext`` current on this thread (0 for none)."""
         ctx = ctypes.c_void_p(0)
         err = self._lib.cuCtxGetCurrent(ctypes.byref(ctx))
         if err != 0:
-            raise RuntimeError(f"cuCtxGetCurrent failed: {err}")
+            raise RuntimeError(f"cuCtxGetCurrent failed: CUresult {err}")
         return int(ctx.value or 0)
+
+
+class StreamWaiter(_Driver):
+    """Driver entry points for stream memory waits; raises ``OSError`` when unavailable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        fn = self._entry("cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self._wait = fn
 
     def wait_geq(self, stream: int, address: int, value: int, context: int) -> None:
         """Make ``stream`` wait until ``*(uint32*)address >= value``; ``context`` made current if none is."""
@@ -62,7 +85,7 @@ class StreamWaiter:
             raise RuntimeError(f"cuStreamWaitValue32 failed: CUresult {err}")
 
 
-class KernelLauncher:
+class KernelLauncher(_Driver):
     """``cuLaunchKernel`` through ctypes, the kernel arguments packed into one buffer.
 
     A launch through CuPy's ``Function.__call__`` converts and checks every argument in Python (about
@@ -72,41 +95,15 @@ class KernelLauncher:
     kernel's C signature lays them out. Raises ``OSError`` when the driver entry points are missing.
     """
 
-    _instance: KernelLauncher | None = None
-    _lock = threading.Lock()
-
     def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = getattr(lib, "cuLaunchKernel", None)
-        if fn is None:
-            raise OSError("cuLaunchKernel not in libcuda")
+        super().__init__()
+        fn = self._entry("cuLaunchKernel")
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                        ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_void_p]
         self._launch = fn
-        lib.cuCtxGetCurrent.restype = ctypes.c_int
-        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        lib.cuCtxPushCurrent_v2.restype = ctypes.c_int
-        lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
-        lib.cuCtxPopCurrent_v2.restype = ctypes.c_int
-        lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        self._lib = lib
         self._offsets: dict[str, tuple[int, ...]] = {}
-
-    @classmethod
-    def get(cls) -> KernelLauncher:
-        with cls._lock:
-            if cls._instance is None:
-                cls._instance = cls()
-            return cls._instance
-
-    def current_context(self) -> int:
-        ctx = ctypes.c_void_p(0)
-        err = self._lib.cuCtxGetCurrent(ctypes.byref(ctx))
-        if err != 0:
-            raise RuntimeError(f"cuCtxGetCurrent failed: CUresult {err}")
-        return int(ctx.value or 0)
 
     def _field_offsets(self, fmt: struct.Struct) -> tuple[int, ...]:
         offs = self._offsets.get(fmt.format)
