@@ -155,21 +155,34 @@ class KernelCopier:
             self.driver_error = f"{type(e).__name__}: {e}"
 
     def _self_test(self, torch: Any) -> None:
-        """Launch each kernel once through the driver on empty work (and copy one index for real);
-        raises ``RuntimeError`` when a launch fails or the copied value is wrong."""
+        """Run each kernel once through the driver on scratch buffers and check what it copied.
+
+        ``page_copy`` and ``page_load_layers`` copy one piece from a scratch "host" buffer (device memory:
+        the kernels only see addresses) into a scratch "pool" slot, with every argument in its real
+        position; ``fetch_indices`` copies two indices. Raises ``RuntimeError`` on a failed launch or a
+        wrong result, and then the copier launches through CuPy instead.
+        """
         dev = f"cuda:{self.device_index}"
-        src = torch.tensor([0x0123456789ABCDEF], dtype=torch.int64, device=dev)
-        dst = torch.zeros(1, dtype=torch.int64, device=dev)
+        n = self.geometry.piece_bytes
+        src = torch.arange(n, dtype=torch.int32, device=dev).to(torch.uint8)
+        outs = [torch.zeros(n, dtype=torch.uint8, device=dev) for _ in range(2)]
+        ptrs = [torch.tensor([o.data_ptr()], dtype=torch.int64, device=dev) for o in outs]
+        idx_src = torch.tensor([0, 0], dtype=torch.int64, device=dev)
+        idx = torch.full((2,), -1, dtype=torch.int64, device=dev)
+        sync = torch.zeros(2, dtype=torch.int32, device=dev)  # counter, flag
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
-        h, p = stream.cuda_stream, self._dev_ptrs.data_ptr()
-        self._run(self._fetch_kernel, 1, 32, h, FETCH_ARGS, src.data_ptr(), dst.data_ptr(), 1)
-        self._run(self._kernel, 1, self.threads, h, PAGE_COPY_ARGS, p, 0, 0, 0, 0, 0, 0, 0, 0, self.piece_vecs, 0)
-        self._run(self._layers_kernel, 1, self.threads, h, LOAD_LAYERS_ARGS, p, 0, 0, 0, 0, 0, 0, 0, 0,
-                  self.piece_vecs, 0, 0, 0)
+        h = stream.cuda_stream
+        self._run(self._fetch_kernel, 1, 32, h, FETCH_ARGS, idx_src.data_ptr(), idx.data_ptr(), 2)
+        self._run(self._kernel, 1, self.threads, h, PAGE_COPY_ARGS, ptrs[0].data_ptr(), src.data_ptr(), n, 0,
+                  idx.data_ptr(), idx.data_ptr() + 8, 1, 0, 1, self.piece_vecs, 0)
+        self._run(self._layers_kernel, 1, self.threads, h, LOAD_LAYERS_ARGS, ptrs[1].data_ptr(), src.data_ptr(),
+                  n, 0, idx.data_ptr(), idx.data_ptr() + 8, 1, 1, 1, self.piece_vecs, sync.data_ptr(),
+                  sync.data_ptr() + 4, 7)
         stream.synchronize()
-        if int(dst.item()) != 0x0123456789ABCDEF:
-            raise RuntimeError("driver launch self-test copied the wrong value")
+        if not (idx.tolist() == [0, 0] and torch.equal(outs[0], src) and torch.equal(outs[1], src)
+                and sync.tolist() == [0, 7]):
+            raise RuntimeError("driver launch self-test: a kernel copied the wrong data")
 
     @property
     def launches_by_driver(self) -> bool:
