@@ -137,6 +137,7 @@ class KernelCopier:
         self._streams: dict[int, Any] = {}
         self._launcher: KernelLauncher | None = None
         self._context = 0
+        self._fn_ptrs: dict[int, int] = {}
         self.driver_error: str | None = None  # why kernels are launched through CuPy, when they are
         try:
             launcher = KernelLauncher.get()
@@ -145,9 +146,11 @@ class KernelCopier:
                 self._context = launcher.current_context()
             if not self._context:
                 raise RuntimeError("no current CUDA context")
-            for k in (self._kernel, self._layers_kernel, self._fetch_kernel):
-                if not int(getattr(k, "ptr", 0)):
-                    raise RuntimeError("CuPy gives no CUfunction handle")
+            with cupy.cuda.Device(device_index):  # RawKernel.kernel: the loaded Function of this device
+                self._fn_ptrs = {id(k): int(getattr(getattr(k, "kernel", k), "ptr", 0) or 0)
+                                 for k in (self._kernel, self._layers_kernel, self._fetch_kernel)}
+            if not all(self._fn_ptrs.values()):
+                raise RuntimeError("CuPy gives no CUfunction handle")
             self._launcher = launcher
             self._self_test(torch)
         except (OSError, RuntimeError, AttributeError, TypeError, ValueError) as e:
@@ -193,7 +196,7 @@ class KernelCopier:
              *args: int) -> None:
         """Launch ``kernel`` with ``args`` (Python ints typed by ``fmt``) on ``stream_handle``."""
         if self._launcher is not None:
-            self._launcher.launch(int(kernel.ptr), self._context, grid, block, stream_handle, fmt, *args)
+            self._launcher.launch(self._fn_ptrs[id(kernel)], self._context, grid, block, stream_handle, fmt, *args)
             return
         typed = tuple(_NUMPY_OF[c](a) for c, a in zip(fmt.format.lstrip("@"), args, strict=True))
         with self._cupy.cuda.Device(self.device_index), self._ext_stream(stream_handle):
