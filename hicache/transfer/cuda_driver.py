@@ -4,8 +4,8 @@
   32-bit word at device ``address`` is >= ``value`` (``cuStreamWaitValue32``); the host does not block.
   The transfer engine uses it for per-layer readiness of a load that runs as one kernel launch (the
   kernel publishes a flag per layer).
-* :class:`KernelLauncher`: ``cuLaunchKernel`` with the arguments packed into one buffer, a fraction of
-  the host time of a launch through CuPy (the staged path launches a kernel per staging chunk).
+* :class:`KernelLauncher`: ``cuLaunchKernel`` with the arguments packed into one buffer, less host time
+  than a launch through CuPy (the staged path launches a kernel per staging chunk).
 """
 
 from __future__ import annotations
@@ -88,11 +88,11 @@ class StreamWaiter(_Driver):
 class KernelLauncher(_Driver):
     """``cuLaunchKernel`` through ctypes, the kernel arguments packed into one buffer.
 
-    A launch through CuPy's ``Function.__call__`` converts and checks every argument in Python (about
-    17 us per launch measured on an H200 host); packing the arguments with a precompiled
-    :class:`struct.Struct` into one buffer and pointing ``kernelParams`` at each field costs a few us.
-    The struct format lists the kernel's parameters in order with native alignment (``@``), as the
-    kernel's C signature lays them out. Raises ``OSError`` when the driver entry points are missing.
+    A launch through CuPy converts and checks every argument in Python; here the arguments are packed
+    by a precompiled :class:`struct.Struct` into one buffer and ``kernelParams`` points at each field
+    (measured on an H200 host: a staged-path kernel launch 16 us, against 19 us through CuPy). The
+    struct format lists the kernel's parameters in order with native alignment (``@``), so each field
+    has its C type's size. Raises ``OSError`` when the driver entry points are missing.
     """
 
     def __init__(self) -> None:

@@ -144,11 +144,11 @@ class KernelCopier:
             with cupy.cuda.Device(device_index):
                 torch.cuda.current_stream(device_index).synchronize()  # the device's context is current
                 self._context = launcher.current_context()
-            if not self._context:
-                raise RuntimeError("no current CUDA context")
-            with cupy.cuda.Device(device_index):  # RawKernel.kernel: the loaded Function of this device
+                # RawKernel.kernel is the Function loaded on the current device; .ptr its CUfunction
                 self._fn_ptrs = {id(k): int(getattr(getattr(k, "kernel", k), "ptr", 0) or 0)
                                  for k in (self._kernel, self._layers_kernel, self._fetch_kernel)}
+            if not self._context:
+                raise RuntimeError("no current CUDA context")
             if not all(self._fn_ptrs.values()):
                 raise RuntimeError("CuPy gives no CUfunction handle")
             self._launcher = launcher
