@@ -85,7 +85,8 @@ from hicache.transfer.cuda_kernels import (
     CopyGeometry,
     KernelCopier,
 )
-from hicache.transfer.staged import group_layers, plan_group, with_slot_base
+from hicache.transfer.lanes import CopyLanes
+from hicache.transfer.staged import group_layers, plan_group, stagger_schedule, way_bounds, with_slot_base
 
 IoBackend = Literal["kernel", "copy_engine", "staged", "auto"]
 IO_BACKENDS = ("kernel", "copy_engine", "staged", "auto")
@@ -98,6 +99,7 @@ STAGE_SLOTS = 4  # staging slots per direction: DMA keeps going while a slot wai
 # 8 MiB 0.95, 4 MiB 0.97 at twice the host submission time).
 BACKUP_SLOT_BYTES = 8 << 20
 STAGE_RAMP = 4  # smaller chunks at a backup's start and a load's end: 1/16, 1/8, 1/4, 1/2 of a slot
+STAGGER_MIN_PAGES = 32  # pages per part, at least, before a staged load is staggered (staged.stagger_schedule)
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,8 @@ class CudaTransferEngine(TransferEngine):
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, io_backend: str = "auto",
                  blocks: int | None = None, threads: int = DEFAULT_THREADS,
                  ce_min_copy_bytes: int = 64 << 10, register_host: bool = True,
-                 layer_signal: str = "auto", staging_bytes: int = 64 << 20) -> None:
+                 layer_signal: str = "auto", staging_bytes: int = 64 << 20, submit_threads: int = 4,
+                 stagger_ways: int = 4) -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
@@ -203,6 +206,12 @@ class CudaTransferEngine(TransferEngine):
             raise ValueError("io_backend 'staged' needs a page_first host pool")
         if staging_bytes < STAGE_SLOTS:
             raise ValueError(f"staging_bytes: must be >= {STAGE_SLOTS}, got {staging_bytes}")
+        if submit_threads < 1 or stagger_ways < 1:
+            raise ValueError(f"submit_threads and stagger_ways: must be >= 1, got {submit_threads}, {stagger_ways}")
+        self.submit_threads = submit_threads
+        self.stagger_ways = stagger_ways
+        # copies of a staged load's groups: half as large when several threads share their issue cost
+        self.stage_load_min_run = ce_min_copy_bytes if submit_threads == 1 else max(1, ce_min_copy_bytes // 2)
         self.io_backend: IoBackend = io_backend  # type: ignore[assignment]
         self.staging_bytes = staging_bytes
         self.ce_min_copy_bytes = ce_min_copy_bytes
@@ -259,6 +268,7 @@ class CudaTransferEngine(TransferEngine):
         if io_backend != "kernel":
             self._rt = CudaRuntime.get()
         self._stagers: dict[bool, _Stager] = {}  # per direction (to_host), created on first use
+        self._lanes: CopyLanes | None = None  # staged loads' DMA threads, created on first use
         slot = self.staging_bytes // STAGE_SLOTS
         self.can_stage = (host_pool.host_layout == "page_first" and self._rt is not None
                           and group_layers(L, C, piece, 1, slot) > 0)
@@ -441,14 +451,23 @@ class CudaTransferEngine(TransferEngine):
             st = self._stagers[to_host] = _Stager(self.device, STAGE_SLOTS, slot, max_pages)
         return st
 
+    def _copy_lanes(self) -> CopyLanes | None:
+        if self.submit_threads == 1:
+            return None
+        if self._lanes is None:
+            assert self._rt is not None
+            self._lanes = CopyLanes(self.device, self.submit_threads, self._rt)
+        return self._lanes
+
     def _staged(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream,
                 deps: list[torch.cuda.Event]) -> tuple[list[torch.cuda.Event], tuple[Any, ...]]:
         """Submit a staged transfer (see :mod:`hicache.transfer.staged`); returns per-layer events.
 
-        Load, per chunk: the load stream DMAs host runs into a slot, the stage stream scatters the slot
-        into L1. Backup, per chunk: the stage stream gathers L1 into a slot, the backup stream DMAs it
-        out. A slot is refilled only after the previous user of it finished (events ``free``). The last
-        event is recorded on ``stream``, so later work on that stream is ordered after this transfer.
+        Load (:meth:`_staged_load`), per chunk: the copy lanes (or the load stream) DMA host runs into a
+        slot, the stage stream scatters the slot into L1. Backup, per chunk: the stage stream gathers L1
+        into a slot, the backup stream DMAs it out. A slot is refilled only after the previous user of it
+        finished (events ``free``). The last event is recorded on ``stream``, so later work on that
+        stream is ordered after this transfer.
         """
         assert self._rt is not None
         L, C = self.layout.num_layers, self.layout.kv_count
@@ -463,55 +482,88 @@ class CudaTransferEngine(TransferEngine):
             idx = torch.empty(idx_host.shape, dtype=torch.int64, device=self.device)
         # by a kernel, not a memcpy, which would queue behind bulk DMA in flight (see fetch_indices)
         self.stage_kernel.fetch_indices(sst.cuda_stream, idx_host.data_ptr(), idx.data_ptr(), idx.numel())
-        min_run = self.ce_min_copy_bytes if not to_host else L * C * piece  # backups: whole pages
-        per_group = group_layers(L, C, piece, min_run, st.slot_bytes)
-        events: list[torch.cuda.Event] = []
+        if not to_host:
+            return self._staged_load(host_idx, stream, st, idx.data_ptr(), deps), (idx_host, idx)
+        per_group = group_layers(L, C, piece, L * C * piece, st.slot_bytes)  # backups: whole pages
         sh, ssh = stream.cuda_stream, sst.cuda_stream
         for l0 in range(0, L, per_group):
             ng = min(per_group, L - l0)
-            last = l0 + ng >= L
-            ramp_up = STAGE_RAMP if to_host and l0 == 0 else 0
-            ramp_down = STAGE_RAMP if not to_host and last else 0
+            ramp_up = STAGE_RAMP if l0 == 0 else 0
             for ch in plan_group(g.host_base, g.host_page_stride, piece, C, host_idx, l0, ng, st.slot_bytes,
-                                 to_host, ramp_up, ramp_down):
+                                 True, ramp_up, 0):
                 s, base = st.take()
-                plan = with_slot_base(ch.plan, base, to_host)
-                n, iptr = ch.i1 - ch.i0, idx.data_ptr() + 8 * ch.i0
+                plan = with_slot_base(ch.plan, base, True)
+                prev = st.free[s]
+                if prev is not None:
+                    sst.wait_event(prev)
+                self.stage_kernel.launch_staged(ssh, idx.data_ptr() + 8 * ch.i0, st.pos.data_ptr(), ch.i1 - ch.i0,
+                                                l0 * C, ng * C, True, base)
                 done = torch.cuda.Event()
-                if to_host:
-                    prev = st.free[s]
-                    if prev is not None:
-                        sst.wait_event(prev)
-                    self.stage_kernel.launch_staged(ssh, iptr, st.pos.data_ptr(), n, l0 * C, ng * C, True, base)
-                    done.record(sst)
-                    stream.wait_event(done)
-                    self._rt.run(plan, sh)
-                    freed = torch.cuda.Event()
-                    freed.record(stream)
-                else:
-                    prev = st.free[s]
+                done.record(sst)
+                stream.wait_event(done)
+                self._rt.run(plan, sh)
+                freed = torch.cuda.Event()
+                freed.record(stream)
+                st.free[s] = freed
+        final = torch.cuda.Event()
+        final.record(stream)
+        return [final] * L, (idx_host, idx)
+
+    def _staged_load(self, host_idx: np.ndarray, stream: torch.cuda.Stream, st: _Stager, idx_ptr: int,
+                     deps: list[torch.cuda.Event]) -> list[torch.cuda.Event]:
+        """The load half of :meth:`_staged`: groups of layers, staggered over parts of the page list
+        (:func:`~hicache.transfer.staged.stagger_schedule`), DMA issued by the copy lanes.
+
+        ``host_idx`` is in host order and ``idx_ptr`` holds the matching device pages on the GPU. Each
+        unit of the schedule is one part's pages for one group of layers, moved slot by slot; the stage
+        stream records an event after each unit, and layer ``i``'s event is that of the unit after which
+        every part holds it.
+        """
+        assert self._rt is not None
+        L, C = self.layout.num_layers, self.layout.kv_count
+        g = self.geometry
+        piece = g.piece_bytes
+        n = len(host_idx)
+        per_group = group_layers(L, C, piece, self.stage_load_min_run, st.slot_bytes)
+        ways = max(1, min(self.stagger_ways, per_group, n // STAGGER_MIN_PAGES))
+        sched = stagger_schedule(L, per_group, ways)
+        bounds = way_bounds(n, ways)
+        lanes = self._copy_lanes()
+        sst = st.stream
+        sh, ssh = stream.cuda_stream, sst.cuda_stream
+        after = tuple(deps)
+        landed: list[torch.cuda.Event] = []
+        for ui, u in enumerate(sched.units):
+            lo, hi = bounds[u.way]
+            ramp_down = STAGE_RAMP if ui == len(sched.units) - 1 else 0
+            for ch in plan_group(g.host_base, g.host_page_stride, piece, C, host_idx[lo:hi], u.layer_begin,
+                                 u.n_layers, st.slot_bytes, False, 0, ramp_down):
+                s, base = st.take()
+                plan = with_slot_base(ch.plan, base, False)
+                prev = st.free[s]
+                if lanes is None:
                     if prev is not None:
                         stream.wait_event(prev)
                     self._rt.run(plan, sh)
+                    done = torch.cuda.Event()
                     done.record(stream)
                     sst.wait_event(done)
-                    self.stage_kernel.launch_staged(ssh, iptr, st.pos.data_ptr(), n, l0 * C, ng * C, False, base)
-                    freed = torch.cuda.Event()
-                    freed.record(sst)
+                else:
+                    for done in lanes.run(plan, after if prev is None else (*after, prev)):
+                        sst.wait_event(done)
+                self.stage_kernel.launch_staged(ssh, idx_ptr + 8 * (lo + ch.i0), st.pos.data_ptr(), ch.i1 - ch.i0,
+                                                u.layer_begin * C, u.n_layers * C, False, base)
+                freed = torch.cuda.Event()
+                freed.record(sst)
                 st.free[s] = freed
-            if not to_host:
-                landed = torch.cuda.Event()
-                landed.record(sst)  # this group is in L1
-                events.extend([landed] * ng)
-        if not to_host:
-            stream.wait_event(events[-1])
+            ev = torch.cuda.Event()
+            ev.record(sst)  # this part's group is in L1
+            landed.append(ev)
+        stream.wait_event(landed[-1])
         final = torch.cuda.Event()
         final.record(stream)
-        if to_host:
-            events = [final] * L
-        else:
-            events[L - ng:] = [final] * ng
-        return events, (idx_host, idx)
+        last = len(sched.units) - 1
+        return [final if sched.ready[layer] == last else landed[sched.ready[layer]] for layer in range(L)]
 
     def load(self, host_idx: np.ndarray, device_idx: np.ndarray) -> TransferHandle:
         src, dst = self._check(host_idx, device_idx, self.host_pool.num_pages, self.device_pool.num_pages)
@@ -525,6 +577,8 @@ class CudaTransferEngine(TransferEngine):
         """Block until every submitted transfer has finished."""
         self.load_stream.synchronize()
         self.backup_stream.synchronize()
+        if self._lanes is not None:
+            self._lanes.synchronize()
         for st in self._stagers.values():
             st.stream.synchronize()
 
@@ -536,6 +590,9 @@ class CudaTransferEngine(TransferEngine):
         self.synchronize()
         self._inflight = []
         self._stagers.clear()
+        if self._lanes is not None:
+            self._lanes.close()
+            self._lanes = None
         self._unregister()
 
     def _unregister(self) -> None:

@@ -22,11 +22,20 @@ Every group costs one copy per page, whatever its size: smaller groups at the en
 compute sooner and finish it later less) were measured on an H100 to slow a 32-layer load of 4 KiB
 pieces by 40% (groups 2, 4, 8, 8, 4, 4, 2 against 8, 8, 8, 8), more than they gained in overlap.
 
+With groups of ``g`` layers every layer of a group is ready at once, so compute running as fast as the
+load waits up to ``g`` layers behind it. :func:`stagger_schedule` splits the pages into ``ways`` parts
+whose group boundaries are offset from each other (part ``k`` starts with a group of ``k * g // ways``
+layers) and interleaves their groups by last layer: a layer is ready once every part holds it, which
+now happens about every ``g / ways`` layers instead of every ``g``, for about one more copy per page and
+part. Fluid model, 32 layers, compute as fast as the load: groups of 8 finish at 1.25x the load time,
+staggered 4 ways 1.16x; groups of 4, 1.125x and 1.08x.
+
 Planning is pure NumPy (:func:`plan_group`) and needs no GPU.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -139,3 +148,51 @@ def with_slot_base(plan: CopyPlan, slot_base: int, to_host: bool) -> CopyPlan:
     if to_host:
         return CopyPlan(plan.dst, plan.src + base, plan.size)
     return CopyPlan(plan.dst + base, plan.src, plan.size)
+
+
+class StaggerUnit(NamedTuple):
+    """Layers ``[layer_begin, layer_begin + n_layers)`` of the pages of part ``way``."""
+
+    way: int
+    layer_begin: int
+    n_layers: int
+
+
+class LoadSchedule(NamedTuple):
+    """The order of a staggered load: ``units`` in submission order, and for each layer the index of
+    the unit after which every part holds that layer (``ready[layer]``, non-decreasing)."""
+
+    units: list[StaggerUnit]
+    ready: list[int]
+
+
+def way_bounds(n: int, ways: int) -> list[tuple[int, int]]:
+    """Positions ``[lo, hi)`` of each part of ``n`` pages split into ``ways`` nearly equal runs."""
+    if ways < 1:
+        raise ValueError(f"ways: must be >= 1, got {ways}")
+    edges = [(n * k) // ways for k in range(ways + 1)]
+    return [(edges[k], edges[k + 1]) for k in range(ways)]
+
+
+def stagger_schedule(num_layers: int, per_group: int, ways: int) -> LoadSchedule:
+    """Groups of at most ``per_group`` layers for each of ``ways`` parts, part ``k``'s boundaries offset
+    by ``k * per_group // ways`` layers, interleaved by last layer (then part).
+
+    Every (part, layer) is in exactly one unit; units of one part go in layer order; ``ways == 1`` is
+    the plain grouping ``[0, g), [g, 2g), ...``.
+    """
+    if num_layers < 1 or per_group < 1 or ways < 1:
+        raise ValueError(f"stagger_schedule: need num_layers, per_group, ways >= 1, got "
+                         f"{num_layers}, {per_group}, {ways}")
+    per_way: list[list[StaggerUnit]] = []
+    for k in range(ways):
+        off = (k * per_group) // ways
+        cuts = sorted({0, num_layers, *range(off if off else per_group, num_layers, per_group)})
+        per_way.append([StaggerUnit(k, a, b - a) for a, b in itertools.pairwise(cuts)])
+    units = sorted((u for us in per_way for u in us), key=lambda u: (u.layer_begin + u.n_layers, u.way))
+    last = [[0] * num_layers for _ in range(ways)]
+    for i, u in enumerate(units):
+        for layer in range(u.layer_begin, u.layer_begin + u.n_layers):
+            last[u.way][layer] = i
+    ready = [max(last[k][layer] for k in range(ways)) for layer in range(num_layers)]
+    return LoadSchedule(units, ready)

@@ -1,0 +1,130 @@
+"""Staggered staged loads and copy lanes (pure NumPy, runs anywhere): the schedule covers every layer of
+every part once, a layer's ready unit is the first after which every part holds it, the staggered load
+reproduces the host pieces, and a plan split across lanes keeps every copy once, in order."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.transfer.copy_engine import CopyPlan
+from hicache.transfer.lanes import split_plan
+from hicache.transfer.staged import plan_group, stagger_schedule, way_bounds, with_slot_base
+
+
+def test_one_way_is_the_plain_grouping() -> None:
+    s = stagger_schedule(32, 8, 1)
+    assert [(u.layer_begin, u.n_layers) for u in s.units] == [(0, 8), (8, 8), (16, 8), (24, 8)]
+    assert s.ready == [0] * 8 + [1] * 8 + [2] * 8 + [3] * 8
+
+
+def test_two_ways_offset_by_half_a_group() -> None:
+    s = stagger_schedule(16, 4, 2)
+    assert [tuple(u) for u in s.units] == [(1, 0, 2), (0, 0, 4), (1, 2, 4), (0, 4, 4), (1, 6, 4), (0, 8, 4),
+                                          (1, 10, 4), (0, 12, 4), (1, 14, 2)]
+    # layers 0-1 are whole after part 0's first group (unit 1), layers 2-3 after part 1's second (unit 2)
+    assert s.ready == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8]
+
+
+def _max_lag(num_layers: int, per_group: int, ways: int) -> float:
+    """Fluid model, compute exactly as fast as the load: layers of extra time past the load's end."""
+    s = stagger_schedule(num_layers, per_group, ways)
+    moved, t_unit = 0.0, []
+    for u in s.units:
+        moved += u.n_layers / ways
+        t_unit.append(moved)
+    end = 0.0
+    for layer in range(num_layers):
+        end = max(end, t_unit[s.ready[layer]]) + 1.0
+    return end - num_layers
+
+
+def test_staggering_shortens_the_wait_on_the_last_group() -> None:
+    assert _max_lag(32, 8, 1) == pytest.approx(8.0)
+    assert _max_lag(32, 8, 4) < 5.5
+    assert _max_lag(32, 4, 4) < 2.6
+
+
+@settings(max_examples=150, deadline=None)
+@given(L=st.integers(1, 40), g=st.integers(1, 12), ways=st.integers(1, 6))
+def test_schedule_covers_each_part_and_layer_once(L: int, g: int, ways: int) -> None:
+    s = stagger_schedule(L, g, ways)
+    seen = {(k, layer): 0 for k in range(ways) for layer in range(L)}
+    holds: list[set[tuple[int, int]]] = []
+    acc: set[tuple[int, int]] = set()
+    for u in s.units:
+        assert 1 <= u.n_layers <= g
+        for layer in range(u.layer_begin, u.layer_begin + u.n_layers):
+            seen[(u.way, layer)] += 1
+            acc.add((u.way, layer))
+        holds.append(set(acc))
+    assert set(seen.values()) == {1}
+    for k in range(ways):  # each part's groups in layer order
+        begins = [u.layer_begin for u in s.units if u.way == k]
+        assert begins == sorted(begins)
+    for layer in range(L):  # ready: the first unit after which every part holds the layer
+        r = s.ready[layer]
+        assert all((k, layer) in holds[r] for k in range(ways))
+        assert r == 0 or not all((k, layer) in holds[r - 1] for k in range(ways))
+    assert s.ready == sorted(s.ready)
+
+
+def test_schedule_rejects_nonsense() -> None:
+    with pytest.raises(ValueError):
+        stagger_schedule(0, 4, 1)
+    with pytest.raises(ValueError):
+        way_bounds(10, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(L=st.integers(1, 9), C=st.integers(1, 2), piece=st.sampled_from([2, 16]), n=st.integers(1, 14),
+       g=st.integers(1, 4), ways=st.integers(1, 4), pages_per_slot=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_staggered_load_reproduces_host_pieces_layer_by_layer(L: int, C: int, piece: int, n: int, g: int,
+                                                               ways: int, pages_per_slot: int, seed: int) -> None:
+    """The engine's loop (:meth:`CudaTransferEngine._staged_load`) on NumPy arrays: after the unit
+    ``ready[i]``, layer ``i`` of every page is in place."""
+    rng = np.random.default_rng(seed)
+    g = min(g, L)
+    n_host, n_dev = n + 3, n + 2
+    h = np.sort(rng.permutation(n_host)[:n]).astype(np.int64)
+    d = rng.permutation(n_dev)[:n].astype(np.int64)
+    host = rng.integers(0, 256, n_host * L * C * piece, dtype=np.uint8)
+    hv = host.reshape(n_host, L * C, piece)
+    dev = np.zeros((L * C, n_dev, piece), dtype=np.uint8)
+    slot = pages_per_slot * g * C * piece
+    staging = np.zeros(slot, dtype=np.uint8)
+    stage_base = 1 << 40
+    sched = stagger_schedule(L, g, ways)
+    bounds = way_bounds(n, ways)
+    for ui, u in enumerate(sched.units):
+        lo, hi = bounds[u.way]
+        for ch in plan_group(0, L * C * piece, piece, C, h[lo:hi], u.layer_begin, u.n_layers, slot, False, 0,
+                             2 if ui == len(sched.units) - 1 else 0):
+            plan = with_slot_base(ch.plan, stage_base, to_host=False)
+            for dst, src, size in zip(plan.dst.tolist(), plan.src.tolist(), plan.size.tolist(), strict=True):
+                staging[dst - stage_base: dst - stage_base + size] = host[src: src + size]
+            base = stage_base - u.layer_begin * C * piece
+            for p in range(ch.i1 - ch.i0):
+                for lc in range(u.layer_begin * C, (u.layer_begin + u.n_layers) * C):
+                    a = base + p * u.n_layers * C * piece + lc * piece - stage_base
+                    dev[lc, d[lo + ch.i0 + p]] = staging[a: a + piece]
+        for layer in range(L):
+            if sched.ready[layer] == ui:
+                for c in range(C):
+                    assert np.array_equal(dev[layer * C + c, d], hv[h, layer * C + c]), (ui, layer, c)
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(0, 700), parts=st.integers(1, 8), min_copies=st.integers(1, 100))
+def test_split_plan_keeps_every_copy_once_in_order(n: int, parts: int, min_copies: int) -> None:
+    a = np.arange(n, dtype=np.uint64)
+    plan = CopyPlan(a * 2, a * 3, a + 1)
+    pieces = split_plan(plan, parts, min_copies)
+    assert 1 <= len(pieces) <= parts
+    assert len(pieces) == 1 or all(p.n_copies >= min_copies for p in pieces)
+    for field in range(3):
+        joined = np.concatenate([p[field] for p in pieces])
+        assert np.array_equal(joined, plan[field])
+    assert list(itertools.accumulate(p.n_copies for p in pieces))[-1] == n
