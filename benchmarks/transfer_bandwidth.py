@@ -320,7 +320,7 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
     configs: list[tuple[str, str, dict[str, Any]]] = [("h2d", "pinned", {}), ("d2h", "pinned", {})]
     configs += [("h2d", "kernel", {"blocks": bl}) for bl in args.blocks_sweep]
     configs += [("d2h", "kernel", {}), ("h2d", "copy_engine", {}), ("d2h", "copy_engine", {}),
-                ("h2d", "staged", {}), ("d2h", "staged", {})]
+                ("h2d", "staged", {"submit_threads": 1}), ("h2d", "staged", {}), ("d2h", "staged", {})]
     return bench_compute(args, ceil, gemm_compute(), configs)
 
 
@@ -409,9 +409,12 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
                                "transfer_alone_ratio": alone_gbps / ceil[direction],
                                "ratio_to_pinned_under_compute": median(gbps) / base,
                                "ratio_to_pinned_under_gemm": median(gbps) / base,
-                               "host_submit_ms": t_submit * 1e3, "device_ms": t_alone_transfer * 1e3}
+                               "host_submit_ms": t_submit * 1e3, "device_ms": t_alone_transfer * 1e3,
+                               "options": kw}
         rows.append(row)
         grid = {"kernel": f"{blocks} blocks", "staged": f"DMA+{blocks}", "pinned": "one copy"}.get(backend, "DMA")
+        if backend == "staged" and direction == "h2d":
+            grid = f"{kw.get('submit_threads', 4)}x{grid}"  # copy lanes issuing the load's DMA
         print(f"{compute.name} next to {direction} {backend:<11} ({grid:>8}, {row['piece_bytes'] >> 10:>2} KiB): "
               f"{compute.name} {100 * row['compute_slowdown']:+5.1f}%  "
               f"transfer {row['transfer_gbps']:5.1f} GB/s ({row['transfer_ratio']:.2f} of ceiling, "
@@ -441,7 +444,8 @@ def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict
     rows = []
     plan: list[tuple[int, list[tuple[str, dict[str, Any]]]]] = [
         (64, [("kernel", {}), ("kernel", {"layer_signal": "events"}), ("copy_engine", {}), ("staged", {})]),
-        (4, [("kernel", {}), ("staged", {})]),
+        (4, [("kernel", {}), ("staged", {"submit_threads": 1, "stagger_ways": 1}),
+             ("staged", {"submit_threads": 1}), ("staged", {})]),
     ]
     for kib, configs in plan:
         rows += _overlap(args, ceil, kib << 10, configs)
@@ -465,6 +469,8 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
     for backend, kw in configs:
         eng = s.engine(io_backend=backend, **kw)
         signal = {"kernel": eng.layer_signal, "staged": "groups"}.get(backend, "events")
+        if backend == "staged":  # lanes: DMA threads; ways: parts whose layer groups are staggered
+            signal = f"{eng.submit_threads}l{eng.stagger_ways}w"
         t_load, _ = time_device(partial(_load, eng, s), layers, args.reps)
         for k in (1, 2, 4):
             comp = []
@@ -488,6 +494,7 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
             t_comp, t_over = median(comp), median(over)
             ratio = t_over / max(t_load, t_comp)
             rows.append({"backend": backend, "layer_signal": signal, "layers": layers, "piece_bytes": piece,
+                         "options": kw,
                          "load_ms": t_load * 1e3,
                          "compute_ms": t_comp * 1e3, "overlapped_ms": t_over * 1e3, "ratio_vs_max": ratio,
                          "bytes": s.bytes})

@@ -525,7 +525,9 @@ class CudaTransferEngine(TransferEngine):
         piece = g.piece_bytes
         n = len(host_idx)
         per_group = group_layers(L, C, piece, self.stage_load_min_run, st.slot_bytes)
-        ways = max(1, min(self.stagger_ways, per_group, n // STAGGER_MIN_PAGES))
+        # one group (whole pages): every layer is ready at once anyway, and whole-page runs of consecutive
+        # host pages merge into single copies, which staggering would split
+        ways = 1 if per_group >= L else max(1, min(self.stagger_ways, per_group, n // STAGGER_MIN_PAGES))
         sched = stagger_schedule(L, per_group, ways)
         bounds = way_bounds(n, ways)
         lanes = self._copy_lanes()
