@@ -20,7 +20,8 @@ In one run (needs a CUDA GPU and CuPy):
    path and ``auto``.
 5. A 32-layer load overlapped with per-layer compute (GEMMs after ``wait_layer(i)``) against
    max(load alone, compute alone), for compute/load ratios of about 0.5, 1 and 2; 64 KiB pieces (every
-   path) and 4 KiB pieces (kernel and staged: the staged path readies layers by groups of 8 there).
+   path) and 4 KiB pieces (kernel, and staged by groups of 8 layers staggered 1, 2 and 4 ways, and by
+   groups of 4 staggered 4 ways).
 
 Transfers are timed with CUDA events on the compute stream, which is held by ``torch.cuda._sleep`` while
 the host submits, so the figures are device time; host submission time is reported beside them.
@@ -320,7 +321,7 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
     configs: list[tuple[str, str, dict[str, Any]]] = [("h2d", "pinned", {}), ("d2h", "pinned", {})]
     configs += [("h2d", "kernel", {"blocks": bl}) for bl in args.blocks_sweep]
     configs += [("d2h", "kernel", {}), ("h2d", "copy_engine", {}), ("d2h", "copy_engine", {}),
-                ("h2d", "staged", {"submit_threads": 1}), ("h2d", "staged", {}), ("d2h", "staged", {})]
+                ("h2d", "staged", {}), ("d2h", "staged", {})]
     return bench_compute(args, ceil, gemm_compute(), configs)
 
 
@@ -413,8 +414,6 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
                                "options": kw}
         rows.append(row)
         grid = {"kernel": f"{blocks} blocks", "staged": f"DMA+{blocks}", "pinned": "one copy"}.get(backend, "DMA")
-        if backend == "staged" and direction == "h2d":
-            grid = f"{kw.get('submit_threads', 4)}x{grid}"  # copy lanes issuing the load's DMA
         print(f"{compute.name} next to {direction} {backend:<11} ({grid:>8}, {row['piece_bytes'] >> 10:>2} KiB): "
               f"{compute.name} {100 * row['compute_slowdown']:+5.1f}%  "
               f"transfer {row['transfer_gbps']:5.1f} GB/s ({row['transfer_ratio']:.2f} of ceiling, "
@@ -444,8 +443,8 @@ def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict
     rows = []
     plan: list[tuple[int, list[tuple[str, dict[str, Any]]]]] = [
         (64, [("kernel", {}), ("kernel", {"layer_signal": "events"}), ("copy_engine", {}), ("staged", {})]),
-        (4, [("kernel", {}), ("staged", {"submit_threads": 1, "stagger_ways": 1}),
-             ("staged", {"submit_threads": 1}), ("staged", {})]),
+        (4, [("kernel", {}), ("staged", {"stagger_ways": 1}), ("staged", {"stagger_ways": 2}), ("staged", {}),
+             ("staged", {"ce_min_copy_bytes": 32 << 10})]),
     ]
     for kib, configs in plan:
         rows += _overlap(args, ceil, kib << 10, configs)
@@ -469,8 +468,8 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
     for backend, kw in configs:
         eng = s.engine(io_backend=backend, **kw)
         signal = {"kernel": eng.layer_signal, "staged": "groups"}.get(backend, "events")
-        if backend == "staged":  # lanes: DMA threads; ways: parts whose layer groups are staggered
-            signal = f"{eng.submit_threads}l{eng.stagger_ways}w"
+        if backend == "staged":  # parts whose layer groups are staggered / the copy size groups aim for
+            signal = f"{eng.stagger_ways}w{eng.ce_min_copy_bytes >> 10}K"
         t_load, _ = time_device(partial(_load, eng, s), layers, args.reps)
         for k in (1, 2, 4):
             comp = []

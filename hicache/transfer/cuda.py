@@ -49,10 +49,12 @@ I/O backends (``io_backend``):
   host, so they move as one large DMA copy into a device staging slot, and a device-to-device kernel
   burst on a few SMs scatters them into the layer-first pool (backups: gather, then DMA). Small pieces
   then move at the copy engine's full rate. Loads go by groups of layers (the fewest whose run per page
-  reaches ``ce_min_copy_bytes``); every layer of a group is ready at once. ``staging_bytes`` (default
-  64 MiB, device memory taken on first use) is split into four slots used in turn; backups use four
-  slots of at most ``BACKUP_SLOT_BYTES`` (8 MiB), which stay in L2 between gather and DMA. See
-  :mod:`hicache.transfer.staged`.
+  reaches ``ce_min_copy_bytes``); every layer of a group is ready at once. A load of several groups is
+  staggered over ``stagger_ways`` parts of its pages (default 4), whose group boundaries are offset, so
+  layers become ready about ``ways`` times as often (:func:`~hicache.transfer.staged.stagger_schedule`).
+  ``staging_bytes`` (default 64 MiB, device memory taken on first use) is split into four slots used in
+  turn; backups use four slots of at most ``BACKUP_SLOT_BYTES`` (8 MiB), which stay in L2 between
+  gather and DMA. See :mod:`hicache.transfer.staged`.
 * ``auto``: per transfer, the copy engine when its copies average at least ``ce_min_copy_bytes``
   (default 64 KiB: measured on H200/PCIe Gen5, the copy engine then runs at the link ceiling with
   no SM use, and its per-copy submission cost stays below the copy time); else the staged path where
@@ -85,7 +87,6 @@ from hicache.transfer.cuda_kernels import (
     CopyGeometry,
     KernelCopier,
 )
-from hicache.transfer.lanes import CopyLanes
 from hicache.transfer.staged import group_layers, plan_group, stagger_schedule, way_bounds, with_slot_base
 
 IoBackend = Literal["kernel", "copy_engine", "staged", "auto"]
@@ -191,7 +192,7 @@ class CudaTransferEngine(TransferEngine):
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, io_backend: str = "auto",
                  blocks: int | None = None, threads: int = DEFAULT_THREADS,
                  ce_min_copy_bytes: int = 64 << 10, register_host: bool = True,
-                 layer_signal: str = "auto", staging_bytes: int = 64 << 20, submit_threads: int = 4,
+                 layer_signal: str = "auto", staging_bytes: int = 64 << 20,
                  stagger_ways: int = 4) -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
@@ -206,12 +207,9 @@ class CudaTransferEngine(TransferEngine):
             raise ValueError("io_backend 'staged' needs a page_first host pool")
         if staging_bytes < STAGE_SLOTS:
             raise ValueError(f"staging_bytes: must be >= {STAGE_SLOTS}, got {staging_bytes}")
-        if submit_threads < 1 or stagger_ways < 1:
-            raise ValueError(f"submit_threads and stagger_ways: must be >= 1, got {submit_threads}, {stagger_ways}")
-        self.submit_threads = submit_threads
+        if stagger_ways < 1:
+            raise ValueError(f"stagger_ways: must be >= 1, got {stagger_ways}")
         self.stagger_ways = stagger_ways
-        # copies of a staged load's groups: half as large when several threads share their issue cost
-        self.stage_load_min_run = ce_min_copy_bytes if submit_threads == 1 else max(1, ce_min_copy_bytes // 2)
         self.io_backend: IoBackend = io_backend  # type: ignore[assignment]
         self.staging_bytes = staging_bytes
         self.ce_min_copy_bytes = ce_min_copy_bytes
@@ -268,7 +266,6 @@ class CudaTransferEngine(TransferEngine):
         if io_backend != "kernel":
             self._rt = CudaRuntime.get()
         self._stagers: dict[bool, _Stager] = {}  # per direction (to_host), created on first use
-        self._lanes: CopyLanes | None = None  # staged loads' DMA threads, created on first use
         slot = self.staging_bytes // STAGE_SLOTS
         self.can_stage = (host_pool.host_layout == "page_first" and self._rt is not None
                           and group_layers(L, C, piece, 1, slot) > 0)
@@ -451,23 +448,15 @@ class CudaTransferEngine(TransferEngine):
             st = self._stagers[to_host] = _Stager(self.device, STAGE_SLOTS, slot, max_pages)
         return st
 
-    def _copy_lanes(self) -> CopyLanes | None:
-        if self.submit_threads == 1:
-            return None
-        if self._lanes is None:
-            assert self._rt is not None
-            self._lanes = CopyLanes(self.device, self.submit_threads, self._rt)
-        return self._lanes
-
     def _staged(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream,
                 deps: list[torch.cuda.Event]) -> tuple[list[torch.cuda.Event], tuple[Any, ...]]:
         """Submit a staged transfer (see :mod:`hicache.transfer.staged`); returns per-layer events.
 
-        Load (:meth:`_staged_load`), per chunk: the copy lanes (or the load stream) DMA host runs into a
-        slot, the stage stream scatters the slot into L1. Backup, per chunk: the stage stream gathers L1
-        into a slot, the backup stream DMAs it out. A slot is refilled only after the previous user of it
-        finished (events ``free``). The last event is recorded on ``stream``, so later work on that
-        stream is ordered after this transfer.
+        Load (:meth:`_staged_load`), per chunk: the load stream DMAs host runs into a slot, the stage
+        stream scatters the slot into L1. Backup, per chunk: the stage stream gathers L1 into a slot, the
+        backup stream DMAs it out. A slot is refilled only after the previous user of it finished
+        (events ``free``). The last event is recorded on ``stream``, so later work on that stream is
+        ordered after this transfer.
         """
         assert self._rt is not None
         L, C = self.layout.num_layers, self.layout.kv_count
@@ -483,7 +472,7 @@ class CudaTransferEngine(TransferEngine):
         # by a kernel, not a memcpy, which would queue behind bulk DMA in flight (see fetch_indices)
         self.stage_kernel.fetch_indices(sst.cuda_stream, idx_host.data_ptr(), idx.data_ptr(), idx.numel())
         if not to_host:
-            return self._staged_load(host_idx, stream, st, idx.data_ptr(), deps), (idx_host, idx)
+            return self._staged_load(host_idx, stream, st, idx.data_ptr()), (idx_host, idx)
         per_group = group_layers(L, C, piece, L * C * piece, st.slot_bytes)  # backups: whole pages
         sh, ssh = stream.cuda_stream, sst.cuda_stream
         for l0 in range(0, L, per_group):
@@ -509,10 +498,10 @@ class CudaTransferEngine(TransferEngine):
         final.record(stream)
         return [final] * L, (idx_host, idx)
 
-    def _staged_load(self, host_idx: np.ndarray, stream: torch.cuda.Stream, st: _Stager, idx_ptr: int,
-                     deps: list[torch.cuda.Event]) -> list[torch.cuda.Event]:
+    def _staged_load(self, host_idx: np.ndarray, stream: torch.cuda.Stream, st: _Stager,
+                     idx_ptr: int) -> list[torch.cuda.Event]:
         """The load half of :meth:`_staged`: groups of layers, staggered over parts of the page list
-        (:func:`~hicache.transfer.staged.stagger_schedule`), DMA issued by the copy lanes.
+        (:func:`~hicache.transfer.staged.stagger_schedule`).
 
         ``host_idx`` is in host order and ``idx_ptr`` holds the matching device pages on the GPU. Each
         unit of the schedule is one part's pages for one group of layers, moved slot by slot; the stage
@@ -524,16 +513,14 @@ class CudaTransferEngine(TransferEngine):
         g = self.geometry
         piece = g.piece_bytes
         n = len(host_idx)
-        per_group = group_layers(L, C, piece, self.stage_load_min_run, st.slot_bytes)
+        per_group = group_layers(L, C, piece, self.ce_min_copy_bytes, st.slot_bytes)
         # one group (whole pages): every layer is ready at once anyway, and whole-page runs of consecutive
         # host pages merge into single copies, which staggering would split
         ways = 1 if per_group >= L else max(1, min(self.stagger_ways, per_group, n // STAGGER_MIN_PAGES))
         sched = stagger_schedule(L, per_group, ways)
         bounds = way_bounds(n, ways)
-        lanes = self._copy_lanes()
         sst = st.stream
         sh, ssh = stream.cuda_stream, sst.cuda_stream
-        after = tuple(deps)
         landed: list[torch.cuda.Event] = []
         for ui, u in enumerate(sched.units):
             lo, hi = bounds[u.way]
@@ -543,16 +530,12 @@ class CudaTransferEngine(TransferEngine):
                 s, base = st.take()
                 plan = with_slot_base(ch.plan, base, False)
                 prev = st.free[s]
-                if lanes is None:
-                    if prev is not None:
-                        stream.wait_event(prev)
-                    self._rt.run(plan, sh)
-                    done = torch.cuda.Event()
-                    done.record(stream)
-                    sst.wait_event(done)
-                else:
-                    for done in lanes.run(plan, after if prev is None else (*after, prev)):
-                        sst.wait_event(done)
+                if prev is not None:
+                    stream.wait_event(prev)
+                self._rt.run(plan, sh)
+                done = torch.cuda.Event()
+                done.record(stream)
+                sst.wait_event(done)
                 self.stage_kernel.launch_staged(ssh, idx_ptr + 8 * (lo + ch.i0), st.pos.data_ptr(), ch.i1 - ch.i0,
                                                 u.layer_begin * C, u.n_layers * C, False, base)
                 freed = torch.cuda.Event()
@@ -579,8 +562,6 @@ class CudaTransferEngine(TransferEngine):
         """Block until every submitted transfer has finished."""
         self.load_stream.synchronize()
         self.backup_stream.synchronize()
-        if self._lanes is not None:
-            self._lanes.synchronize()
         for st in self._stagers.values():
             st.stream.synchronize()
 
@@ -592,9 +573,6 @@ class CudaTransferEngine(TransferEngine):
         self.synchronize()
         self._inflight = []
         self._stagers.clear()
-        if self._lanes is not None:
-            self._lanes.close()
-            self._lanes = None
         self._unregister()
 
     def _unregister(self) -> None:
