@@ -3,6 +3,8 @@
 Skipped without a CUDA GPU or CuPy (collection imports neither CuPy nor a CUDA build of torch).
 """
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -374,6 +376,26 @@ def test_auto_picks_copy_engine_for_large_runs() -> None:
         eng.close()
 
 
+def _load_checked_layer_by_layer(eng: Any, dev: DevicePool, host: HostPool, d: np.ndarray,
+                                 h: np.ndarray) -> Any:
+    """Load host pages ``h`` into device pages ``d`` behind a busy compute stream, snapshot each layer
+    right after ``wait_layer`` returns, and check every snapshot against the host data; the handle."""
+    L, C = dev.layout.num_layers, dev.layout.kv_count
+    before = _snapshot(dev)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    handle = eng.load(h, d)
+    snaps = []
+    for layer in range(L):
+        handle.wait_layer(layer)
+        snaps.append([t.view(torch.uint8).clone() for t in dev.kv[layer]])
+    torch.cuda.synchronize()
+    want = _expect_load(before, host, d, h, {(x, c) for x in range(L) for c in range(C)})
+    for layer in range(L):
+        for c in range(C):
+            assert torch.equal(snaps[layer][c].cpu(), want[layer][c]), (layer, c)
+    return handle
+
+
 def test_auto_picks_staged_for_small_pieces_on_page_first_hosts() -> None:
     layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces: 8 layers make a 64 KiB run per page
     for host_layout, expect in (("page_first", "staged"), ("layer_first", "kernel")):
@@ -382,19 +404,8 @@ def test_auto_picks_staged_for_small_pieces_on_page_first_hosts() -> None:
         try:
             d, h = _indices(40, 48, 48, seed=14)
             assert eng.choose_backend(d, h) == expect
-            before = _snapshot(dev)
-            torch.cuda._sleep(SLEEP_CYCLES)
-            handle = eng.load(h, d)
+            handle = _load_checked_layer_by_layer(eng, dev, host, d, h)
             assert handle.backend == expect  # type: ignore[attr-defined]
-            snaps = []
-            for layer in range(layout.num_layers):
-                handle.wait_layer(layer)
-                snaps.append([t.view(torch.uint8).clone() for t in dev.kv[layer]])
-            torch.cuda.synchronize()
-            want = _expect_load(before, host, d, h, {(x, c) for x in range(16) for c in range(2)})
-            for layer in range(layout.num_layers):
-                for c in range(2):
-                    assert torch.equal(snaps[layer][c].cpu(), want[layer][c]), (host_layout, layer, c)
             if expect == "staged":  # two groups of 8 layers (40 pages: too few to stagger)
                 ev = handle.events  # type: ignore[attr-defined]
                 assert ev[0] is ev[7] and ev[7] is not ev[8]
@@ -412,18 +423,7 @@ def test_staggered_staged_load_layer_by_layer(ways: int) -> None:
     eng = create_engine("cuda", dev, host, io_backend="staged", stagger_ways=ways)
     try:
         d, h = _indices(n, n + 64, n + 32, seed=22)
-        before = _snapshot(dev)
-        torch.cuda._sleep(SLEEP_CYCLES)
-        handle = eng.load(h, d)
-        snaps = []
-        for layer in range(layout.num_layers):
-            handle.wait_layer(layer)
-            snaps.append([t.view(torch.uint8).clone() for t in dev.kv[layer]])
-        torch.cuda.synchronize()
-        want = _expect_load(before, host, d, h, {(x, c) for x in range(16) for c in range(2)})
-        for layer in range(layout.num_layers):
-            for c in range(2):
-                assert torch.equal(snaps[layer][c].cpu(), want[layer][c]), (ways, layer, c)
+        handle = _load_checked_layer_by_layer(eng, dev, host, d, h)
         steps = len({id(e) for e in handle.events})  # type: ignore[attr-defined]
         assert steps == 2 * ways, steps
     finally:
