@@ -128,9 +128,12 @@ class HiCache:
         self.has_l2 = config.l2_pages > 0
         io = c.io_backend
         if io in ("kernel", "copy_engine", "staged"):
-            self.transfer = create_engine("cuda", self.device_pool, self.host_pool, io_backend=io)
-        else:
-            self.transfer = create_engine("auto" if io == "auto" else "cpu", self.device_pool, self.host_pool)
+            self.transfer = create_engine("cuda", self.device_pool, self.host_pool, io_backend=io,
+                                          **c.transfer_options)
+        elif io == "auto" and self.device_pool.device.type == "cuda":
+            self.transfer = create_engine("cuda", self.device_pool, self.host_pool, **c.transfer_options)
+        else:  # the portable engine has nothing to tune
+            self.transfer = create_engine("cpu", self.device_pool, self.host_pool)
         self.tree = RadixTree(self.page_size, c.eviction_policy)
         self.metrics = metrics or Metrics()
         self.write_policy = c.write_policy

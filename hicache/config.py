@@ -26,6 +26,9 @@ from hicache.layout import DTYPES, KVLayout
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 IO_BACKENDS = ("auto", "cpu", "kernel", "copy_engine", "staged")
+# tuning of the CUDA transfer engine (hicache.transfer.cuda.CudaTransferEngine), by keyword: minimum value
+TRANSFER_INT_OPTIONS = {"blocks": 1, "threads": 32, "ce_min_copy_bytes": 1, "staging_bytes": 4, "stagger_ways": 1}
+TRANSFER_OPTIONS = (*TRANSFER_INT_OPTIONS, "layer_signal")
 ENV_PREFIX = "HICACHE_"
 
 
@@ -84,6 +87,8 @@ class CacheConfig:
     write_policy: str = "write_through_selective"
     eviction_policy: str = "reuse_lru"  # LRU, learned one-off leaves first (hicache.eviction.ReuseLRU)
     io_backend: str = "auto"  # auto | cpu | kernel | copy_engine | staged
+    # CUDA transfer engine tuning (TRANSFER_OPTIONS), e.g. {stagger_ways: 4, ce_min_copy_bytes: 65536}
+    transfer_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(self.l1_tokens >= 1, "cache.l1_tokens", ">= 1", self.l1_tokens)
@@ -95,6 +100,15 @@ class CacheConfig:
         names = policy_names()
         _require(self.eviction_policy in names, "cache.eviction_policy", f"one of {names}", self.eviction_policy)
         _require(self.io_backend in IO_BACKENDS, "cache.io_backend", f"one of {IO_BACKENDS}", self.io_backend)
+        for key, value in self.transfer_options.items():
+            where = f"cache.transfer_options.{key}"
+            _require(key in TRANSFER_OPTIONS, "cache.transfer_options", f"keys among {list(TRANSFER_OPTIONS)}", key)
+            if key == "layer_signal":
+                _require(value in ("auto", "flags", "events"), where, "'auto', 'flags' or 'events'", value)
+            else:
+                low = TRANSFER_INT_OPTIONS[key]
+                _require(isinstance(value, int) and not isinstance(value, bool) and value >= low, where,
+                         f"an integer >= {low}", value)
         _require(self.device == "cpu" or self.device.startswith("cuda"), "cache.device",
                  "'cpu' or 'cuda[:N]'", self.device)
 

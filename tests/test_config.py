@@ -40,11 +40,24 @@ def test_yaml_env_and_overrides(tmp_path: Path) -> None:
         ({"cache": {"l1_tokens": "many"}}, "cache.l1_tokens"),
         ({"cache": {"unknown_knob": 1}}, "cache.unknown_knob"),
         ({"caches": {}}, "caches"),
+        ({"cache": {"transfer_options": {"stagger": 2}}}, "cache.transfer_options"),
+        ({"cache": {"transfer_options": {"stagger_ways": 0}}}, "cache.transfer_options.stagger_ways"),
+        ({"cache": {"transfer_options": {"staging_bytes": "64M"}}}, "cache.transfer_options.staging_bytes"),
+        ({"cache": {"transfer_options": {"layer_signal": "polling"}}}, "cache.transfer_options.layer_signal"),
+        ({"cache": {"transfer_options": [1]}}, "cache.transfer_options"),
     ],
 )
 def test_bad_values_name_the_field(data: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(env={}, overrides=data)
+
+
+def test_transfer_options_from_yaml_and_env(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("cache:\n  transfer_options: {stagger_ways: 2, layer_signal: events}\n")
+    assert load_config(f, env={}).cache.transfer_options == {"stagger_ways": 2, "layer_signal": "events"}
+    env = {"HICACHE_CACHE__TRANSFER_OPTIONS": "{ce_min_copy_bytes: 32768}"}
+    assert load_config(f, env=env).cache.transfer_options == {"ce_min_copy_bytes": 32768}
 
 
 def test_bad_env_value_names_the_field() -> None:

@@ -477,10 +477,12 @@ def test_cache_round_trip_through_l2(io_backend: str) -> None:
 
     cfg = HiCacheConfig(layout=LayoutConfig(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16),
                         cache=CacheConfig(device="cuda", l1_tokens=16 * 64, l2_tokens=16 * 128,
-                                          write_policy="write_through", io_backend=io_backend))
+                                          write_policy="write_through", io_backend=io_backend,
+                                          transfer_options={"stagger_ways": 2, "staging_bytes": 1 << 20}))
     cache = HiCache(cfg)
     try:
         assert cache.transfer.name == "cuda"
+        assert (cache.transfer.stagger_ways, cache.transfer.staging_bytes) == (2, 1 << 20)  # type: ignore[attr-defined]
         tokens = np.arange(16 * 10, dtype=np.int64) + 1000
         req = cache.match(tokens)
         pages = cache.alloc(req, 10)
