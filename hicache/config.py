@@ -28,6 +28,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 IO_BACKENDS = ("auto", "cpu", "kernel", "copy_engine", "staged")
 # tuning of the CUDA transfer engine (hicache.transfer.cuda.CudaTransferEngine), by keyword: minimum value
 TRANSFER_INT_OPTIONS = {"blocks": 1, "threads": 32, "ce_min_copy_bytes": 1, "staging_bytes": 4, "stagger_ways": 1}
+LAYER_SIGNALS = ("auto", "flags", "events")
 TRANSFER_OPTIONS = (*TRANSFER_INT_OPTIONS, "layer_signal")
 ENV_PREFIX = "HICACHE_"
 
@@ -104,7 +105,7 @@ class CacheConfig:
             where = f"cache.transfer_options.{key}"
             _require(key in TRANSFER_OPTIONS, "cache.transfer_options", f"keys among {list(TRANSFER_OPTIONS)}", key)
             if key == "layer_signal":
-                _require(value in ("auto", "flags", "events"), where, "'auto', 'flags' or 'events'", value)
+                _require(value in LAYER_SIGNALS, where, f"one of {LAYER_SIGNALS}", value)
             else:
                 low = TRANSFER_INT_OPTIONS[key]
                 _require(isinstance(value, int) and not isinstance(value, bool) and value >= low, where,

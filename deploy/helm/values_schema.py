@@ -18,7 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hicache.config import IO_BACKENDS, PREFETCH_POLICIES, WRITE_POLICIES
+from hicache.config import (
+    IO_BACKENDS,
+    LAYER_SIGNALS,
+    PREFETCH_POLICIES,
+    TRANSFER_INT_OPTIONS,
+    WRITE_POLICIES,
+)
 from hicache.eviction import policy_names
 from hicache.layout import DTYPES
 from hicache.router.scoring import policy_names as router_policy_names
@@ -95,7 +101,10 @@ def config_schema() -> Schema:
         "cache": obj({
             "l1_tokens": integer(1), "l2_tokens": integer(0), "host_layout": enum(["page_first", "layer_first"]),
             "write_policy": enum(WRITE_POLICIES), "eviction_policy": enum(policy_names()),
-            "io_backend": enum(IO_BACKENDS)},
+            "io_backend": enum(IO_BACKENDS),
+            "transfer_options": obj({**{k: integer(low) for k, low in TRANSFER_INT_OPTIONS.items()},
+                                     "layer_signal": enum(LAYER_SIGNALS)},
+                                    description="tuning of the GPU transfer engine")},
             description="cache.device is set by the chart (node.gpu.enabled)"),
         "storage": obj({
             "prefetch_policy": enum(PREFETCH_POLICIES), "prefetch_threshold_tokens": integer(0),
