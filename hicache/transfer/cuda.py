@@ -75,6 +75,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from hicache.config import LAYER_SIGNALS
 from hicache.pool import DevicePool, HostPool
 from hicache.transfer.base import TransferEngine, TransferHandle, register_engine, sorted_unique
 from hicache.transfer.copy_engine import CopyPlan, CudaRuntime, plan_copies
@@ -231,8 +232,8 @@ class CudaTransferEngine(TransferEngine):
             if not register_host:
                 raise ValueError("host pool is not pinned; pass register_host=True or pin it")
             self._register(buf.data_ptr(), buf.numel() * buf.element_size())
-        if layer_signal not in ("auto", "flags", "events"):
-            raise ValueError(f"layer_signal: must be auto, flags or events, got {layer_signal!r}")
+        if layer_signal not in LAYER_SIGNALS:
+            raise ValueError(f"layer_signal: must be one of {LAYER_SIGNALS}, got {layer_signal!r}")
         try:
             self._setup(cupy, buf, io_backend, blocks, threads)
             self._setup_flags(layer_signal)
