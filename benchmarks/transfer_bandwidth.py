@@ -12,12 +12,13 @@ In one run (needs a CUDA GPU and CuPy):
 3. Slowdown of a bf16 8192^3 GEMM stream while loads (or backups) run next to it: one contiguous
    pinned copy (the ceiling under that load: the GEMM's own memory traffic slows DMA too), the kernel
    path at several grid sizes and the copy engine (64 KiB pieces), and the staged path (4 KiB pieces,
-   where ``auto`` picks it). Each transfer is given against the idle ceiling and against the
+   where ``auto`` picks it; also with 256 MiB of staging), and copy-engine backups fanned out over four
+   streams (the default) and on one. Each transfer is given against the idle ceiling and against the
    contiguous copy next to the same GEMM. Section ``sdpa``: the same against causal flash attention
    (``scaled_dot_product_attention``, bf16 prefill), whose many short thread blocks let a waiting
    high-priority copy kernel in between them, where the GEMM's persistent kernels hold every SM.
 4. Load and backup at once against the bidirectional ceiling, for 4 KiB, 64 KiB and 1 MiB pieces, each
-   path and ``auto``.
+   path and ``auto`` (copy-engine backups fanned over 4 streams, and over 1).
 5. A 32-layer load overlapped with per-layer compute (GEMMs after ``wait_layer(i)``) against
    max(load alone, compute alone), for compute/load ratios of about 0.5, 1 and 2; 64 KiB pieces (every
    path) and 4 KiB pieces (kernel, and staged by groups of 8 layers staggered 1, 2 and 4 ways, and by
@@ -321,7 +322,8 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
     configs: list[tuple[str, str, dict[str, Any]]] = [("h2d", "pinned", {}), ("d2h", "pinned", {})]
     configs += [("h2d", "kernel", {"blocks": bl}) for bl in args.blocks_sweep]
     configs += [("d2h", "kernel", {}), ("h2d", "copy_engine", {}), ("d2h", "copy_engine", {}),
-                ("h2d", "staged", {}), ("d2h", "staged", {})]
+                ("d2h", "copy_engine", {"backup_streams": 1}), ("h2d", "staged", {}),
+                ("h2d", "staged", {"staging_bytes": 256 << 20}), ("d2h", "staged", {})]
     return bench_compute(args, ceil, gemm_compute(), configs)
 
 
@@ -329,6 +331,7 @@ def bench_sdpa(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
     """Section 3 on flash attention: every path at its default grid."""
     configs: list[tuple[str, str, dict[str, Any]]] = [
         (d, b, {}) for b in ("pinned", "kernel", "copy_engine", "staged") for d in ("h2d", "d2h")]
+    configs.insert(6, ("d2h", "copy_engine", {"backup_streams": 1}))
     return bench_compute(args, ceil, sdpa_compute(), configs)
 
 
@@ -419,7 +422,8 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
               f"transfer {row['transfer_gbps']:5.1f} GB/s ({row['transfer_ratio']:.2f} of ceiling, "
               f"{row['ratio_to_pinned_under_compute']:.2f} of one pinned copy next to the {compute.name}; "
               f"alone {alone_gbps:5.1f} = {row['transfer_alone_ratio']:.2f}; host submits one in "
-              f"{row['host_submit_ms']:.1f} ms, device {row['device_ms']:.1f} ms)", flush=True)
+              f"{row['host_submit_ms']:.1f} ms, device {row['device_ms']:.1f} ms)"
+              + "".join(f" {k}={v}" for k, v in kw.items() if k != "blocks"), flush=True)
     return rows
 
 
@@ -428,12 +432,17 @@ def bench_bidir(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[s
     for kib in (4, 64, 1024):
         s = Setup(layout_for_piece(kib << 10, args.layers), args.total_mib << 20, seed=7 + kib, spare=3)
         L = s.layout.num_layers
-        for backend in ("kernel", "copy_engine", "staged", "auto"):
-            eng = s.engine(io_backend=backend)
+        runs: list[tuple[str, dict[str, Any]]] = [(b, {}) for b in ("kernel", "copy_engine", "staged", "auto")]
+        if kib >= 64:
+            runs.insert(2, ("copy_engine", {"backup_streams": 1}))
+        for backend, kw in runs:
+            eng = s.engine(io_backend=backend, **kw)
             t, _ = time_device(partial(_both, eng, s), L, args.reps)
             gbps = 2 * s.bytes / t / GB
-            rows.append({"piece_bytes": kib << 10, "backend": backend, "gbps": gbps, "ratio": gbps / ceil["bidir"]})
-            print(f"load+backup at once, {kib:>5} KiB pieces, {backend:<11}: {gbps:6.1f} GB/s "
+            rows.append({"piece_bytes": kib << 10, "backend": backend, "gbps": gbps, "ratio": gbps / ceil["bidir"],
+                         "options": kw})
+            opt = "".join(f" {k}={v}" for k, v in kw.items())
+            print(f"load+backup at once, {kib:>5} KiB pieces, {backend:<11}{opt}: {gbps:6.1f} GB/s "
                   f"({gbps / ceil['bidir']:.2f} of bidirectional ceiling {ceil['bidir']:.1f})", flush=True)
             eng.close()
     return rows

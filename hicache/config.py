@@ -27,7 +27,8 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 IO_BACKENDS = ("auto", "cpu", "kernel", "copy_engine", "staged")
 # tuning of the CUDA transfer engine (hicache.transfer.cuda.CudaTransferEngine), by keyword: minimum value
-TRANSFER_INT_OPTIONS = {"blocks": 1, "threads": 32, "ce_min_copy_bytes": 1, "staging_bytes": 4, "stagger_ways": 1}
+TRANSFER_INT_OPTIONS = {"blocks": 1, "threads": 32, "ce_min_copy_bytes": 1, "staging_bytes": 4, "stagger_ways": 1,
+                        "backup_streams": 1}
 LAYER_SIGNALS = ("auto", "flags", "events")
 TRANSFER_OPTIONS = (*TRANSFER_INT_OPTIONS, "layer_signal")
 ENV_PREFIX = "HICACHE_"

@@ -303,7 +303,7 @@ def test_backup_waits_for_compute_writer(io_backend: str) -> None:
         eng.close()
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "staged"])
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged"])
 def test_load_waits_for_backup_of_same_host_pages(io_backend: str) -> None:
     """Load of host pages a running backup is writing sees the backed-up data (cross-stream ordering)."""
     n = 64
@@ -321,6 +321,35 @@ def test_load_waits_for_backup_of_same_host_pages(io_backend: str) -> None:
         for layer in range(BIG.num_layers):
             for c in range(2):
                 assert torch.equal(dev.kv[layer][c][n:].view(torch.uint8).cpu(), src[layer][c]), (layer, c)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4, 7])
+def test_copy_engine_backup_fanned_over_streams(streams: int) -> None:
+    """A copy-engine backup split over several streams copies every piece once and completes, as seen
+    by its handle and by a load of the same host pages submitted right after it, as one stream would."""
+    layout = KVLayout(4, 2, 64, "bfloat16", 16)
+    n = 96
+    dev, host = _pools(layout, 2 * n, 2 * n, "layer_first", seed=21)
+    eng = create_engine("cuda", dev, host, io_backend="copy_engine", backup_streams=streams)
+    try:
+        assert len(eng._backup_lanes) == streams - 1
+        d, h = _indices(n, n, 2 * n, seed=22)
+        every = {(layer, c) for layer in range(layout.num_layers) for c in range(2)}
+        hb = host.buffer.view(torch.uint8).clone()
+        dsnap = _snapshot(dev)
+        torch.cuda._sleep(SLEEP_CYCLES)  # the backup queues behind compute; the load behind the backup
+        back = eng.backup(d, h)
+        load = eng.load(h, np.arange(n, 2 * n, dtype=np.int64))
+        assert not back.done()
+        load.wait()
+        assert back.done()
+        assert torch.equal(host.buffer.view(torch.uint8), _expect_backup(hb, "layer_first", dsnap, d, h, every))
+        for layer in range(layout.num_layers):
+            for c in range(2):
+                got = dev.kv[layer][c][n:].view(torch.uint8).cpu()
+                assert torch.equal(got, dsnap[layer][c][torch.from_numpy(d)]), (layer, c)
     finally:
         eng.close()
 
