@@ -12,7 +12,7 @@ In one run (needs a CUDA GPU and CuPy):
 3. Slowdown of a bf16 8192^3 GEMM stream while loads (or backups) run next to it: one contiguous
    pinned copy (the ceiling under that load: the GEMM's own memory traffic slows DMA too), the kernel
    path at several grid sizes and the copy engine (64 KiB pieces), and the staged path (4 KiB pieces,
-   where ``auto`` picks it; also with 256 MiB of staging), and copy-engine backups fanned out over four
+   where ``auto`` picks it; also with 64 MiB of staging instead of 256), and copy-engine backups fanned out over four
    streams (the default) and on one. Each transfer is given against the idle ceiling and against the
    contiguous copy next to the same GEMM. Section ``sdpa``: the same against causal flash attention
    (``scaled_dot_product_attention``, bf16 prefill), whose many short thread blocks let a waiting
@@ -323,7 +323,7 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
     configs += [("h2d", "kernel", {"blocks": bl}) for bl in args.blocks_sweep]
     configs += [("d2h", "kernel", {}), ("h2d", "copy_engine", {}), ("d2h", "copy_engine", {}),
                 ("d2h", "copy_engine", {"backup_streams": 1}), ("h2d", "staged", {}),
-                ("h2d", "staged", {"staging_bytes": 256 << 20}), ("d2h", "staged", {})]
+                ("h2d", "staged", {"staging_bytes": 64 << 20}), ("d2h", "staged", {})]
     return bench_compute(args, ceil, gemm_compute(), configs)
 
 
