@@ -12,8 +12,8 @@ In one run (needs a CUDA GPU and CuPy):
 3. Slowdown of a bf16 8192^3 GEMM stream while loads (or backups) run next to it: one contiguous
    pinned copy (the ceiling under that load: the GEMM's own memory traffic slows DMA too), the kernel
    path at several grid sizes and the copy engine (64 KiB pieces), and the staged path (4 KiB pieces,
-   where ``auto`` picks it; also with 64 MiB of staging instead of 256), and copy-engine backups fanned out over four
-   streams (the default) and on one. Each transfer is given against the idle ceiling and against the
+   where ``auto`` picks it; loads also with 64 MiB of staging instead of 256); copy-engine backups go
+   fanned out over four streams (the default) and on one. Each transfer is given against the idle ceiling and against the
    contiguous copy next to the same GEMM. Section ``sdpa``: the same against causal flash attention
    (``scaled_dot_product_attention``, bf16 prefill), whose many short thread blocks let a waiting
    high-priority copy kernel in between them, where the GEMM's persistent kernels hold every SM.
