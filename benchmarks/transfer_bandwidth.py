@@ -13,8 +13,8 @@ In one run (needs a CUDA GPU and CuPy):
    pinned copy (the ceiling under that load: the GEMM's own memory traffic slows DMA too), the kernel
    path at several grid sizes and the copy engine (64 KiB pieces), and the staged path (4 KiB pieces,
    where ``auto`` picks it; loads also with 64 MiB of staging instead of 256); copy-engine backups go
-   fanned out over four streams (the default) and on one. Each transfer is given against the idle ceiling and against the
-   contiguous copy next to the same GEMM. Section ``sdpa``: the same against causal flash attention
+   fanned out over four streams (the default) and on one. Each transfer is given against the idle
+   ceiling and against the contiguous copy next to the same GEMM. Section ``sdpa``: the same against causal flash attention
    (``scaled_dot_product_attention``, bf16 prefill), whose many short thread blocks let a waiting
    high-priority copy kernel in between them, where the GEMM's persistent kernels hold every SM.
 4. Load and backup at once against the bidirectional ceiling, for 4 KiB, 64 KiB and 1 MiB pieces, each
@@ -22,7 +22,7 @@ In one run (needs a CUDA GPU and CuPy):
 5. A 32-layer load overlapped with per-layer compute (GEMMs after ``wait_layer(i)``) against
    max(load alone, compute alone), for compute/load ratios of about 0.5, 1 and 2; 64 KiB pieces (every
    path) and 4 KiB pieces (kernel, and staged by groups of 8 layers staggered 1, 2 and 4 ways, and by
-   groups of 4 staggered 4 ways).
+   groups of 4 not staggered and staggered 4 ways).
 
 Transfers are timed with CUDA events on the compute stream, which is held by ``torch.cuda._sleep`` while
 the host submits, so the figures are device time; host submission time is reported beside them.
@@ -453,6 +453,7 @@ def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict
     plan: list[tuple[int, list[tuple[str, dict[str, Any]]]]] = [
         (64, [("kernel", {}), ("kernel", {"layer_signal": "events"}), ("copy_engine", {}), ("staged", {})]),
         (4, [("kernel", {}), ("staged", {"stagger_ways": 1}), ("staged", {"stagger_ways": 2}), ("staged", {}),
+             ("staged", {"ce_min_copy_bytes": 32 << 10, "stagger_ways": 1}),
              ("staged", {"ce_min_copy_bytes": 32 << 10})]),
     ]
     for kib, configs in plan:
