@@ -14,9 +14,10 @@ In one run (needs a CUDA GPU and CuPy):
    path at several grid sizes and the copy engine (64 KiB pieces), and the staged path (4 KiB pieces,
    where ``auto`` picks it; loads also with 64 MiB of staging instead of 256); copy-engine backups go
    fanned out over four streams (the default) and on one. Each transfer is given against the idle
-   ceiling and against the contiguous copy next to the same GEMM. Section ``sdpa``: the same against causal flash attention
-   (``scaled_dot_product_attention``, bf16 prefill), whose many short thread blocks let a waiting
-   high-priority copy kernel in between them, where the GEMM's persistent kernels hold every SM.
+   ceiling and against the contiguous copy next to the same GEMM. Section ``sdpa``: the same against
+   causal flash attention (``scaled_dot_product_attention``, bf16 prefill), whose many short thread
+   blocks let a waiting high-priority copy kernel in between them, where the GEMM's persistent kernels
+   hold every SM.
 4. Load and backup at once against the bidirectional ceiling, for 4 KiB, 64 KiB and 1 MiB pieces, each
    path and ``auto`` (copy-engine backups fanned over 4 streams, and over 1).
 5. A 32-layer load overlapped with per-layer compute (GEMMs after ``wait_layer(i)``) against
