@@ -55,8 +55,9 @@ I/O backends (``io_backend``):
   staggered over ``stagger_ways`` parts of its pages (default 4), whose group boundaries are offset, so
   layers become ready about ``ways`` times as often (:func:`~hicache.transfer.staged.stagger_schedule`).
   ``staging_bytes`` (default ``DEFAULT_STAGING_BYTES``, 256 MiB, device memory taken on first use) is
-  split into four slots used in turn; backups use four slots of at most ``BACKUP_SLOT_BYTES`` (8 MiB),
-  which stay in L2 between gather and DMA. See :mod:`hicache.transfer.staged`.
+  split into slots of at most ``LOAD_SLOT_BYTES`` (16 MiB; at least four slots) used in turn; backups
+  use four slots of at most ``BACKUP_SLOT_BYTES`` (8 MiB), which stay in L2 between gather and DMA.
+  See :mod:`hicache.transfer.staged`.
 * ``auto``: per transfer, the copy engine when its copies average at least ``ce_min_copy_bytes``
   (default 64 KiB: measured on H200/PCIe Gen5, the copy engine then runs at the link ceiling with
   no SM use, and its per-copy submission cost stays below the copy time); else the staged path where
@@ -98,11 +99,15 @@ CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
 # A staged load's device-side scatter runs only when compute frees SMs, which a GEMM's persistent kernels
 # hold until they end (about 1.4 ms for a bf16 8192^3 GEMM on an H200); meanwhile the DMA fills free
-# slots. Slots covering ~5 ms of the link keep it busy (staged 4 KiB loads beside that GEMM: 0.80 of a
-# contiguous copy with 64 MiB, 0.93 with 256 MiB; alone, the same rate).
+# slots. Slots covering ~5 ms of the link keep it busy (staged 4 KiB loads beside that GEMM, four runs
+# each: 0.76-0.91 of a contiguous copy with 64 MiB, 0.80-0.99 with 256 MiB; alone, the same rate).
 DEFAULT_STAGING_BYTES = 256 << 20
-STAGE_SLOTS = 4  # staging slots per direction: DMA keeps going while a slot waits for SMs to free it
-# A backup's slots are at most this large (loads use staging_bytes / STAGE_SLOTS): the slot a DMA reads
+STAGE_SLOTS = 4  # fewest staging slots per direction: DMA keeps going while a slot waits for SMs to free it
+# A load's slots are at most this large (or one whole page, if larger), so staging_bytes beyond
+# STAGE_SLOTS of them buys more slots: a staggered load's chunks are often smaller than a slot, and each
+# takes one.
+LOAD_SLOT_BYTES = 16 << 20
+# A backup's slots are at most this large: the slot a DMA reads
 # was then written recently enough to still be in L2 (50 MB on an H200), and a device-to-host DMA reading
 # HBM while gathers load it runs well below the link (4 KiB pieces, H200: 16 MiB slots 0.92 of the link,
 # 8 MiB 0.95, 4 MiB 0.97 at twice the host submission time).
@@ -115,6 +120,21 @@ DEFAULT_BACKUP_STREAMS = 4
 FAN_MIN_COPIES = 16  # fewest copies in one part of a fanned-out backup
 STAGE_RAMP = 4  # smaller chunks at a backup's start and a load's end: 1/16, 1/8, 1/4, 1/2 of a slot
 STAGGER_MIN_PAGES = 32  # pages per part, at least, before a staged load is staggered (staged.stagger_schedule)
+
+
+def staging_slots(staging_bytes: int, page_bytes: int, to_host: bool) -> tuple[int, int]:
+    """(number, bytes) of one direction's staging slots.
+
+    Loads: ``staging_bytes`` split into slots of at most ``LOAD_SLOT_BYTES``, or of one whole page where
+    that is larger, and at least ``STAGE_SLOTS`` of them. Backups: ``STAGE_SLOTS`` slots of at most
+    ``BACKUP_SLOT_BYTES`` (or a whole page), small enough to stay in L2. Never more than
+    ``staging_bytes`` in all.
+    """
+    most = staging_bytes // STAGE_SLOTS
+    if to_host:
+        return STAGE_SLOTS, min(most, max(BACKUP_SLOT_BYTES, page_bytes))
+    slot = min(most, max(LOAD_SLOT_BYTES, page_bytes))
+    return max(STAGE_SLOTS, staging_bytes // slot), slot
 
 
 @dataclass(frozen=True)
@@ -283,7 +303,7 @@ class CudaTransferEngine(TransferEngine):
         if io_backend != "kernel":
             self._rt = CudaRuntime.get()
         self._stagers: dict[bool, _Stager] = {}  # per direction (to_host), created on first use
-        slot = self.staging_bytes // STAGE_SLOTS
+        _, slot = self._slots(False)
         self.can_stage = (host_pool.host_layout == "page_first" and self._rt is not None
                           and group_layers(L, C, piece, 1, slot) > 0)
         if io_backend == "staged" and not self.can_stage:
@@ -484,15 +504,16 @@ class CudaTransferEngine(TransferEngine):
         for e in ends:
             stream.wait_event(e)
 
+    def _slots(self, to_host: bool) -> tuple[int, int]:
+        page = self.layout.num_layers * self.layout.kv_count * self.layout.bytes_per_layer_piece
+        return staging_slots(self.staging_bytes, page, to_host)
+
     def _stager(self, to_host: bool) -> _Stager:
         st = self._stagers.get(to_host)
         if st is None:
-            C = self.layout.kv_count
-            slot = self.staging_bytes // STAGE_SLOTS
-            if to_host:  # small enough to stay in L2, large enough for a whole page where loads allow one
-                slot = min(slot, max(BACKUP_SLOT_BYTES, self.layout.num_layers * C * self.layout.bytes_per_layer_piece))
-            max_pages = slot // (C * self.layout.bytes_per_layer_piece)
-            st = self._stagers[to_host] = _Stager(self.device, STAGE_SLOTS, slot, max_pages)
+            n_slots, slot = self._slots(to_host)
+            max_pages = slot // (self.layout.kv_count * self.layout.bytes_per_layer_piece)
+            st = self._stagers[to_host] = _Stager(self.device, n_slots, slot, max_pages)
         return st
 
     def _staged(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream,

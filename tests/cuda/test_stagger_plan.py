@@ -110,3 +110,28 @@ def test_staggered_load_reproduces_host_pieces_layer_by_layer(L: int, C: int, pi
             if sched.ready[layer] == ui:
                 for c in range(C):
                     assert np.array_equal(dev[layer * C + c, d], hv[h, layer * C + c]), (ui, layer, c)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(4, 1 << 30), st.integers(1, 1 << 26), st.booleans())
+def test_staging_slots_stay_within_the_budget(staging: int, page: int, to_host: bool) -> None:
+    from hicache.transfer.cuda import BACKUP_SLOT_BYTES, LOAD_SLOT_BYTES, STAGE_SLOTS, staging_slots
+
+    n, slot = staging_slots(staging, page, to_host)
+    assert n >= STAGE_SLOTS and slot >= 1
+    assert n * slot <= staging
+    cap = BACKUP_SLOT_BYTES if to_host else LOAD_SLOT_BYTES
+    assert slot <= max(cap, page)
+    if to_host:
+        assert n == STAGE_SLOTS
+    elif slot == LOAD_SLOT_BYTES:
+        assert staging - n * slot < slot  # the budget buys as many slots as it holds
+
+
+def test_default_staging_is_sixteen_load_slots() -> None:
+    from hicache.transfer.cuda import DEFAULT_STAGING_BYTES, staging_slots
+
+    assert staging_slots(DEFAULT_STAGING_BYTES, 256 << 10, False) == (16, 16 << 20)
+    assert staging_slots(DEFAULT_STAGING_BYTES, 256 << 10, True) == (4, 8 << 20)
+    assert staging_slots(64 << 20, 256 << 10, False) == (4, 16 << 20)  # as before: four quarters
+    assert staging_slots(64 << 20, 32 << 20, False) == (4, 16 << 20)  # a quarter, whatever the page
