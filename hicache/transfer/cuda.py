@@ -227,8 +227,7 @@ class CudaTransferEngine(TransferEngine):
                  blocks: int | None = None, threads: int = DEFAULT_THREADS,
                  ce_min_copy_bytes: int = 64 << 10, register_host: bool = True,
                  layer_signal: str = "auto", staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 stagger_ways: int = 4, backup_streams: int = DEFAULT_BACKUP_STREAMS,
-                 load_streams: int = 1) -> None:
+                 stagger_ways: int = 4, backup_streams: int = DEFAULT_BACKUP_STREAMS) -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
@@ -244,12 +243,10 @@ class CudaTransferEngine(TransferEngine):
             raise ValueError(f"staging_bytes: must be >= {STAGE_SLOTS}, got {staging_bytes}")
         if stagger_ways < 1:
             raise ValueError(f"stagger_ways: must be >= 1, got {stagger_ways}")
-        for name, value in (("backup_streams", backup_streams), ("load_streams", load_streams)):
-            if value < 1:
-                raise ValueError(f"{name}: must be >= 1, got {value}")
+        if backup_streams < 1:
+            raise ValueError(f"backup_streams: must be >= 1, got {backup_streams}")
         self.stagger_ways = stagger_ways
         self.backup_streams = backup_streams
-        self.load_streams = load_streams
         self.io_backend: IoBackend = io_backend  # type: ignore[assignment]
         self.staging_bytes = staging_bytes
         self.ce_min_copy_bytes = ce_min_copy_bytes
@@ -317,8 +314,6 @@ class CudaTransferEngine(TransferEngine):
         self.backup_stream = torch.cuda.Stream(self.device, priority=-1)
         # copy-engine backups fan out over these too (see DEFAULT_BACKUP_STREAMS)
         self._backup_lanes = [torch.cuda.Stream(self.device, priority=-1) for _ in range(self.backup_streams - 1)]
-        # and a staged load's DMA over these (load_streams)
-        self._load_lanes = [torch.cuda.Stream(self.device, priority=-1) for _ in range(self.load_streams - 1)]
         self._lock = threading.Lock()
         self._inflight: list[_InFlight] = []
 
@@ -451,7 +446,7 @@ class CudaTransferEngine(TransferEngine):
                 if backend == "kernel":
                     self.backup_kernel.launch(sh, dptr, hptr, n, 0, L * C, to_host=True)
                 else:
-                    self._run_fanned(self.plan(dev_idx, host_idx, 0, L * C, True), stream, self._backup_lanes)
+                    self._run_fanned(self.plan(dev_idx, host_idx, 0, L * C, True), stream)
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 events = [ev] * L
@@ -480,15 +475,15 @@ class CudaTransferEngine(TransferEngine):
             self._inflight.append(_InFlight(events[-1], host_pages, dev_pages, to_host, keep))
         return CudaHandle(L, n, events, backend, self.device, keep, flags)
 
-    def _run_fanned(self, plan: CopyPlan, stream: torch.cuda.Stream, lanes: list[torch.cuda.Stream]) -> None:
-        """Issue a copy-engine plan split into contiguous parts over ``stream`` and ``lanes``.
+    def _run_fanned(self, plan: CopyPlan, stream: torch.cuda.Stream) -> None:
+        """Issue a copy-engine plan split into contiguous parts over ``stream`` and the backup lanes.
 
         Every part starts after the work queued on ``stream`` so far, and ``stream`` waits for every part,
         so the transfer is ordered on ``stream`` exactly as one batch would be. Parts have at least
         ``FAN_MIN_COPIES`` copies.
         """
         assert self._rt is not None
-        parts = max(1, min(1 + len(lanes), plan.n_copies // FAN_MIN_COPIES))
+        parts = max(1, min(1 + len(self._backup_lanes), plan.n_copies // FAN_MIN_COPIES))
         if parts == 1:
             self._rt.run(plan, stream.cuda_stream)
             return
@@ -497,7 +492,7 @@ class CudaTransferEngine(TransferEngine):
         ends = []
         n = plan.n_copies
         for i in range(1, parts):
-            lane = lanes[i - 1]
+            lane = self._backup_lanes[i - 1]
             lane.wait_event(start)
             lo, hi = i * n // parts, (i + 1) * n // parts
             self._rt.run(CopyPlan(plan.dst[lo:hi], plan.src[lo:hi], plan.size[lo:hi]), lane.cuda_stream)
@@ -593,7 +588,7 @@ class CudaTransferEngine(TransferEngine):
         sched = stagger_schedule(L, per_group, ways)
         bounds = way_bounds(n, ways)
         sst = st.stream
-        ssh = sst.cuda_stream
+        sh, ssh = stream.cuda_stream, sst.cuda_stream
         landed: list[torch.cuda.Event] = []
         for ui, u in enumerate(sched.units):
             lo, hi = bounds[u.way]
@@ -605,7 +600,7 @@ class CudaTransferEngine(TransferEngine):
                 prev = st.free[s]
                 if prev is not None:
                     stream.wait_event(prev)
-                self._run_fanned(plan, stream, self._load_lanes)
+                self._rt.run(plan, sh)
                 done = torch.cuda.Event()
                 done.record(stream)
                 sst.wait_event(done)
