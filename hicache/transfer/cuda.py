@@ -114,8 +114,8 @@ LOAD_SLOT_BYTES = 16 << 20
 BACKUP_SLOT_BYTES = 8 << 20
 # Copy-engine backups are split over this many streams: a device-to-host copy reads HBM, and next to
 # compute that loads HBM each copy's start waits longer; parallel streams hide that (H200, 64 KiB pieces
-# beside a bf16 GEMM: 0.86-0.90 of a contiguous copy on one stream, 0.90-0.93 on two, 0.95-0.97 on four;
-# loads, whose writes to HBM are posted, gain nothing).
+# beside a bf16 GEMM, of a contiguous copy: 0.86-0.91 on one stream (mean 0.89 over five runs), 0.90-0.93
+# on two, 0.91-0.97 on four (mean 0.95); loads, whose writes to HBM are posted, gain nothing).
 DEFAULT_BACKUP_STREAMS = 4
 FAN_MIN_COPIES = 16  # fewest copies in one part of a fanned-out backup
 STAGE_RAMP = 4  # smaller chunks at a backup's start and a load's end: 1/16, 1/8, 1/4, 1/2 of a slot
