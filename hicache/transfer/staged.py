@@ -28,7 +28,10 @@ whose group boundaries are offset from each other (part ``k`` starts with a grou
 layers) and interleaves their groups by last layer: a layer is ready once every part holds it, which
 now happens about every ``g / ways`` layers instead of every ``g``, for about one more copy per page and
 part. Fluid model, 32 layers, compute as fast as the load: groups of 8 finish at 1.25x the load time,
-staggered 4 ways 1.16x; groups of 4, 1.125x and 1.08x. Measured on an H200 (32 layers, 4 KiB pieces,
+staggered 4 ways 1.16x; groups of 4, 1.125x and 1.08x. The start sets that bound: layer 0 is ready
+only once every part's first group (``g``, then ``k * g // ways`` layers for part ``k``) has landed,
+``g * (ways + 1) / (2 * ways)`` layers' worth of the load (5 of 32 for ``g = 8``, ``ways = 4``), and
+compute never catches that up. Measured on an H200 (32 layers, 4 KiB pieces,
 compute about as long as the load): 1.25x -> 1.15x of max(load, compute), for a load 12% slower (the
 extra copies, and the short runs at each part's ends). Loads of a single group (whole pages) are not
 staggered: their runs of consecutive host pages merge into single copies.

@@ -135,3 +135,13 @@ def test_default_staging_is_sixteen_load_slots() -> None:
     assert staging_slots(DEFAULT_STAGING_BYTES, 256 << 10, True) == (4, 8 << 20)
     assert staging_slots(64 << 20, 256 << 10, False) == (4, 16 << 20)  # as before: four quarters
     assert staging_slots(64 << 20, 32 << 20, False) == (4, 16 << 20)  # a quarter, whatever the page
+
+
+@pytest.mark.parametrize(("g", "ways"), [(8, 1), (8, 2), (8, 4), (4, 4), (8, 8)])
+def test_first_layer_waits_for_every_parts_first_group(g: int, ways: int) -> None:
+    """Layer 0 is ready after g * (ways + 1) / (2 * ways) layers' worth of the load (the startup lag the
+    docstring quotes): every part's first group, and nothing else, comes before it."""
+    s = stagger_schedule(32, g, ways)
+    before = s.units[: s.ready[0] + 1]
+    assert sorted(u.way for u in before) == list(range(ways))
+    assert sum(u.n_layers for u in before) / ways == g * (ways + 1) / (2 * ways)
