@@ -30,7 +30,10 @@ IO_BACKENDS = ("auto", "cpu", "kernel", "copy_engine", "staged")
 TRANSFER_INT_OPTIONS = {"blocks": 1, "threads": 32, "ce_min_copy_bytes": 1, "staging_bytes": 4, "stagger_ways": 1,
                         "backup_streams": 1}
 LAYER_SIGNALS = ("auto", "flags", "events")
-TRANSFER_OPTIONS = (*TRANSFER_INT_OPTIONS, "layer_signal")
+# the staged path's device-side copies: one kernel per staging chunk, or one resident kernel per transfer
+STAGED_KERNELS = ("per_chunk", "resident")
+TRANSFER_CHOICE_OPTIONS = {"layer_signal": LAYER_SIGNALS, "staged_kernel": STAGED_KERNELS}
+TRANSFER_OPTIONS = (*TRANSFER_INT_OPTIONS, *TRANSFER_CHOICE_OPTIONS)
 ENV_PREFIX = "HICACHE_"
 
 
@@ -105,8 +108,9 @@ class CacheConfig:
         for key, value in self.transfer_options.items():
             where = f"cache.transfer_options.{key}"
             _require(key in TRANSFER_OPTIONS, "cache.transfer_options", f"keys among {list(TRANSFER_OPTIONS)}", key)
-            if key == "layer_signal":
-                _require(value in LAYER_SIGNALS, where, f"one of {LAYER_SIGNALS}", value)
+            if key in TRANSFER_CHOICE_OPTIONS:
+                choices = TRANSFER_CHOICE_OPTIONS[key]
+                _require(value in choices, where, f"one of {choices}", value)
             else:
                 low = TRANSFER_INT_OPTIONS[key]
                 _require(isinstance(value, int) and not isinstance(value, bool) and value >= low, where,

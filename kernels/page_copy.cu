@@ -48,6 +48,7 @@ typedef unsigned long long u64;
 
 #define PAGE_COPY_UNROLL 8
 #define PAGE_COPY_ITEMS 2  // flag bit of to_host: walk work items in both directions
+#define PAGE_COPY_CG 4  // flag bit of to_host: read the source past L1 (it may change during the launch)
 #define PAGE_COPY_MAX_THREADS 1024  // blocks of up to 1024 threads: registers capped to fit
 
 template <typename V>
@@ -107,6 +108,8 @@ __device__ __forceinline__ void page_copy_items(const u64* __restrict__ dev_ptrs
     const i64 n_warps = ((i64)gridDim.x * blockDim.x) >> 5;
     const i64 n_sub = (piece_vecs + chunk - 1) / chunk;
     const i64 n_items = n_pages * (i64)n_lc * n_sub;
+    const bool cg = (to_host & PAGE_COPY_CG) != 0;
+    to_host &= 1;
     for (i64 it = warp; it < n_items; it += n_warps) {
         const i64 pc = it / n_sub;
         const i64 e0 = (it - pc * n_sub) * chunk + lane;
@@ -125,7 +128,8 @@ __device__ __forceinline__ void page_copy_items(const u64* __restrict__ dev_ptrs
             if (i < piece_vecs) {
                 // A gather into a staging slot (to_host here only in the staged path) reads L1 pages once:
                 // evict-first loads keep them from pushing out of L2 the slots that DMA reads next.
-                buf[u] = to_host ? __ldcs(src + i) : src[i];
+                // A resident staged scatter reads slots the copy engine refills during the launch: past L1.
+                buf[u] = to_host ? __ldcs(src + i) : (cg ? __ldcg(src + i) : src[i]);
             }
         }
 #pragma unroll
@@ -149,7 +153,7 @@ __device__ __forceinline__ void page_copy_impl(const u64* __restrict__ dev_ptrs,
                              lc_begin, n_lc, piece_vecs, 1);
     } else {
         page_copy_items<V>(dev_ptrs, host_base, host_page_stride, host_lc_stride, dev_idx, host_idx, n_pages,
-                           lc_begin, n_lc, piece_vecs, to_host & 1);
+                           lc_begin, n_lc, piece_vecs, to_host & (1 | PAGE_COPY_CG));
     }
 }
 
@@ -209,6 +213,86 @@ DEFINE_PAGE_LOAD_LAYERS(page_load_layers_8, uint2)
 DEFINE_PAGE_LOAD_LAYERS(page_load_layers_4, unsigned int)
 DEFINE_PAGE_LOAD_LAYERS(page_load_layers_2, unsigned short)
 DEFINE_PAGE_LOAD_LAYERS(page_load_layers_1, unsigned char)
+
+// staged_resident_W: the device-side half of a whole staged transfer in ONE launch that stays resident on
+// a few SMs, instead of one launch per staging chunk. Per-chunk launches must each win SMs from running
+// compute, and a GEMM's persistent kernels hold every SM until they end (~1.4 ms for a bf16 8192^3 GEMM on
+// an H200), so the scatter of each chunk can wait that long; resident blocks never give their SMs back
+// until the transfer is done.
+//
+// Chunk c is desc[c * STAGED_DESC_WORDS ...] = {slot, wait, done, slot address, index offset, pages,
+// lc_begin, n_lc}. The blocks take the chunks in order; for each one, thread 0 of every block spins
+// until slot_ready[slot] >= wait (the copy engine's stream writes slot_ready with cuStreamWriteValue32:
+// after a load's DMA into the slot, or after a backup's DMA out of it), then the grid copies the chunk
+// between the slot and the L1 pool exactly as page_copy does (slot reads of a load bypass L1: the slot
+// is refilled during the launch). Each block then counts itself done on counters[slot]; the last one
+// resets the counter, publishes slot_done[slot] = done (the DMA stream waits for it with
+// cuStreamWaitValue32 before reusing the slot, or before a backup's DMA out of it), and, for loads,
+// layer_flags[l] = layer_seq for every layer l whose layer_chunk[l] is c. A block finishes chunk c before
+// it starts c + 1, so when chunk c's count completes, every earlier chunk's data is in place as well.
+// Counters are zero at launch and left zero; launches on one stream never overlap.
+#define STAGED_DESC_WORDS 8
+
+template <typename V>
+__device__ __forceinline__ void staged_resident_impl(const u64* __restrict__ dev_ptrs, i64 piece_vecs,
+                                                     const i64* __restrict__ desc, int n_chunks,
+                                                     const i64* __restrict__ dev_idx,
+                                                     const i64* __restrict__ pos_idx, unsigned int* slot_ready,
+                                                     unsigned int* slot_done, unsigned int* counters,
+                                                     const int* __restrict__ layer_chunk, int n_layers,
+                                                     unsigned int* layer_flags, unsigned int layer_seq,
+                                                     int to_host) {
+    const i64 piece_bytes = piece_vecs * (i64)sizeof(V);
+    for (int c = 0; c < n_chunks; ++c) {
+        const i64* d = desc + (i64)c * STAGED_DESC_WORDS;
+        const int slot = (int)d[0];
+        if (threadIdx.x == 0) {
+            const volatile unsigned int* ready = slot_ready + slot;
+            const unsigned int want = (unsigned int)d[1];
+            while (*ready < want) {
+                __nanosleep(128);
+            }
+            __threadfence();
+        }
+        __syncthreads();
+        const int lc_begin = (int)d[6];
+        const int n_lc = (int)d[7];
+        const u64 base = (u64)d[3] - (u64)((i64)lc_begin * piece_bytes);  // the copy adds lc * piece back
+        page_copy_items<V>(dev_ptrs, base, (i64)n_lc * piece_bytes, piece_bytes, dev_idx + d[4], pos_idx, d[5],
+                           lc_begin, n_lc, piece_vecs, to_host ? 1 : PAGE_COPY_CG);
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const unsigned int prev = atomicAdd(&counters[slot], 1u);
+            if (prev == gridDim.x - 1) {
+                counters[slot] = 0u;
+                __threadfence_system();
+                atomicExch(&slot_done[slot], (unsigned int)d[2]);
+                for (int l = 0; l < n_layers; ++l) {
+                    if (layer_chunk[l] == c) {
+                        atomicExch(&layer_flags[l], layer_seq);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define DEFINE_STAGED_RESIDENT(NAME, V)                                                               \
+    extern "C" __global__ void __launch_bounds__(PAGE_COPY_MAX_THREADS)                             \
+    NAME(const u64* __restrict__ dev_ptrs, i64 piece_vecs, const i64* __restrict__ desc, int n_chunks, \
+         const i64* __restrict__ dev_idx, const i64* __restrict__ pos_idx, unsigned int* slot_ready,   \
+         unsigned int* slot_done, unsigned int* counters, const int* __restrict__ layer_chunk,         \
+         int n_layers, unsigned int* layer_flags, unsigned int layer_seq, int to_host) {               \
+        staged_resident_impl<V>(dev_ptrs, piece_vecs, desc, n_chunks, dev_idx, pos_idx, slot_ready,      \
+                                slot_done, counters, layer_chunk, n_layers, layer_flags, layer_seq, to_host); \
+    }
+
+DEFINE_STAGED_RESIDENT(staged_resident_16, uint4)
+DEFINE_STAGED_RESIDENT(staged_resident_8, uint2)
+DEFINE_STAGED_RESIDENT(staged_resident_4, unsigned int)
+DEFINE_STAGED_RESIDENT(staged_resident_2, unsigned short)
+DEFINE_STAGED_RESIDENT(staged_resident_1, unsigned char)
 
 // fetch_indices: copy n int64 values from pinned host memory (device-visible address) to device memory
 // with the SMs. Index arrays reach the GPU this way rather than by a copy-engine memcpy, which would queue

@@ -20,8 +20,8 @@ from typing import Any
 
 from hicache.config import (
     IO_BACKENDS,
-    LAYER_SIGNALS,
     PREFETCH_POLICIES,
+    TRANSFER_CHOICE_OPTIONS,
     TRANSFER_INT_OPTIONS,
     WRITE_POLICIES,
 )
@@ -103,7 +103,7 @@ def config_schema() -> Schema:
             "write_policy": enum(WRITE_POLICIES), "eviction_policy": enum(policy_names()),
             "io_backend": enum(IO_BACKENDS),
             "transfer_options": obj({**{k: integer(low) for k, low in TRANSFER_INT_OPTIONS.items()},
-                                     "layer_signal": enum(LAYER_SIGNALS)},
+                                     **{k: enum(list(v)) for k, v in TRANSFER_CHOICE_OPTIONS.items()}},
                                     description="tuning of the GPU transfer engine")},
             description="cache.device is set by the chart (node.gpu.enabled)"),
         "storage": obj({

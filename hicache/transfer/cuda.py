@@ -78,7 +78,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from hicache.config import LAYER_SIGNALS
+from hicache.config import LAYER_SIGNALS, STAGED_KERNELS
 from hicache.pool import DevicePool, HostPool
 from hicache.transfer.base import TransferEngine, TransferHandle, register_engine, sorted_unique
 from hicache.transfer.copy_engine import CopyPlan, CudaRuntime, plan_copies
@@ -86,12 +86,21 @@ from hicache.transfer.cuda_driver import StreamWaiter
 from hicache.transfer.cuda_kernels import (
     DEFAULT_BACKUP_BLOCKS,
     DEFAULT_LOAD_BLOCKS,
+    DEFAULT_RESIDENT_BLOCKS,
     DEFAULT_STAGE_BLOCKS,
     DEFAULT_THREADS,
+    STAGED_DESC_WORDS,
     CopyGeometry,
     KernelCopier,
 )
-from hicache.transfer.staged import group_layers, plan_group, stagger_schedule, way_bounds, with_slot_base
+from hicache.transfer.staged import (
+    LoadSchedule,
+    group_layers,
+    plan_group,
+    stagger_schedule,
+    way_bounds,
+    with_slot_base,
+)
 
 IoBackend = Literal["kernel", "copy_engine", "staged", "auto"]
 IO_BACKENDS = ("kernel", "copy_engine", "staged", "auto")
@@ -120,6 +129,7 @@ DEFAULT_BACKUP_STREAMS = 4
 FAN_MIN_COPIES = 16  # fewest copies in one part of a fanned-out backup
 STAGE_RAMP = 4  # smaller chunks at a backup's start and a load's end: 1/16, 1/8, 1/4, 1/2 of a slot
 STAGGER_MIN_PAGES = 32  # pages per part, at least, before a staged load is staggered (staged.stagger_schedule)
+SEQ_LIMIT = 1 << 31  # flag values stay below this; counters restart from zeroed flags when they reach it
 
 
 def staging_slots(staging_bytes: int, page_bytes: int, to_host: bool) -> tuple[int, int]:
@@ -201,7 +211,8 @@ class _Stager:
     """One direction's staging buffer: slots used in turn, a stream for the device-side kernel, and for
     each slot the event after which it may be refilled."""
 
-    def __init__(self, device: torch.device, n_slots: int, slot_bytes: int, max_pages: int) -> None:
+    def __init__(self, device: torch.device, n_slots: int, slot_bytes: int, max_pages: int,
+                 num_layers: int = 0) -> None:
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
         self.buf = torch.empty(n_slots * slot_bytes + 256, dtype=torch.uint8, device=device)
@@ -210,6 +221,25 @@ class _Stager:
         self.free: list[torch.cuda.Event | None] = [None] * n_slots
         self.pos = torch.arange(max(max_pages, 1), dtype=torch.int64, device=device)
         self._next = 0
+        # resident kernel (staged_kernel="resident"): per-slot flags and counters, per-layer flags
+        self.slot_ready = torch.zeros(n_slots, dtype=torch.int32, device=device)
+        self.slot_done = torch.zeros(n_slots, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(n_slots, dtype=torch.int32, device=device)
+        self.layer_flags = torch.zeros(max(num_layers, 1), dtype=torch.int32, device=device)
+        self.last = [0] * n_slots  # chunk number that last used each slot (0: never)
+        self.chunk_seq = 0
+        self.layer_seq = 0
+
+    def restart_flags(self) -> None:
+        """Zero the resident kernel's flags and numbering once all queued work is done (before the
+        numbers would pass ``SEQ_LIMIT``)."""
+        torch.cuda.synchronize(self.slot_ready.device)
+        for t in (self.slot_ready, self.slot_done, self.layer_flags):
+            t.zero_()
+        torch.cuda.synchronize(self.slot_ready.device)
+        self.last = [0] * self.n_slots
+        self.chunk_seq = 0
+        self.layer_seq = 0
 
     def take(self) -> tuple[int, int]:
         """The next slot to fill: (slot number, device address)."""
@@ -227,7 +257,8 @@ class CudaTransferEngine(TransferEngine):
                  blocks: int | None = None, threads: int = DEFAULT_THREADS,
                  ce_min_copy_bytes: int = 64 << 10, register_host: bool = True,
                  layer_signal: str = "auto", staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 stagger_ways: int = 4, backup_streams: int = DEFAULT_BACKUP_STREAMS) -> None:
+                 stagger_ways: int = 4, backup_streams: int = DEFAULT_BACKUP_STREAMS,
+                 staged_kernel: str = "per_chunk") -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
@@ -245,6 +276,9 @@ class CudaTransferEngine(TransferEngine):
             raise ValueError(f"stagger_ways: must be >= 1, got {stagger_ways}")
         if backup_streams < 1:
             raise ValueError(f"backup_streams: must be >= 1, got {backup_streams}")
+        if staged_kernel not in STAGED_KERNELS:
+            raise ValueError(f"staged_kernel: must be one of {STAGED_KERNELS}, got {staged_kernel!r}")
+        self.staged_kernel = staged_kernel
         self.stagger_ways = stagger_ways
         self.backup_streams = backup_streams
         self.io_backend: IoBackend = io_backend  # type: ignore[assignment]
@@ -273,6 +307,8 @@ class CudaTransferEngine(TransferEngine):
         try:
             self._setup(cupy, buf, io_backend, blocks, threads)
             self._setup_flags(layer_signal)
+            if staged_kernel == "resident":
+                self._setup_mem_ops()
         except BaseException:
             self._unregister()
             raise
@@ -342,6 +378,24 @@ class CudaTransferEngine(TransferEngine):
             return
         self._waiter = waiter
         self.layer_signal = "flags"
+
+    def _setup_mem_ops(self) -> None:
+        """Stream memory writes and waits, which the resident staged kernel needs: checked once here."""
+        probe_buf = torch.zeros(1, dtype=torch.int32, device=self.device)
+        try:
+            waiter = StreamWaiter.get()
+            torch.cuda.synchronize(self.device)
+            probe = torch.cuda.Stream(self.device)
+            waiter.write(probe.cuda_stream, probe_buf.data_ptr(), 3, 0)
+            waiter.wait_geq(probe.cuda_stream, probe_buf.data_ptr(), 3, 0)
+            probe.synchronize()
+            context = waiter.current_context()
+        except (OSError, RuntimeError) as e:
+            raise ValueError(f"staged_kernel='resident': stream memory operations unavailable: {e}") from e
+        if int(probe_buf.item()) != 3:
+            raise ValueError("staged_kernel='resident': a stream memory write did not land")
+        self._mem_ops = waiter
+        self._mem_context = context
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -426,9 +480,9 @@ class CudaTransferEngine(TransferEngine):
                 stream.wait_event(ev)
             keep: tuple[Any, ...] = ()
             if backend == "staged":
-                staged_events, keep = self._staged(dev_idx, host_idx, to_host, stream, [ready, *waits])
+                staged_events, keep, sflags = self._staged(dev_idx, host_idx, to_host, stream, [ready, *waits])
                 self._inflight.append(_InFlight(staged_events[-1], host_pages, dev_pages, to_host, keep))
-                return CudaHandle(L, n, staged_events, backend, self.device, keep)
+                return CudaHandle(L, n, staged_events, backend, self.device, keep, sflags)
             if backend == "kernel":
                 idx_host = torch.from_numpy(np.stack([dev_idx, host_idx])).pin_memory()
                 with torch.cuda.stream(stream):  # allocated on the stream that uses it
@@ -513,12 +567,13 @@ class CudaTransferEngine(TransferEngine):
         if st is None:
             n_slots, slot = self._slots(to_host)
             max_pages = slot // (self.layout.kv_count * self.layout.bytes_per_layer_piece)
-            st = self._stagers[to_host] = _Stager(self.device, n_slots, slot, max_pages)
+            st = self._stagers[to_host] = _Stager(self.device, n_slots, slot, max_pages, self.layout.num_layers)
         return st
 
     def _staged(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream,
-                deps: list[torch.cuda.Event]) -> tuple[list[torch.cuda.Event], tuple[Any, ...]]:
-        """Submit a staged transfer (see :mod:`hicache.transfer.staged`); returns per-layer events.
+                deps: list[torch.cuda.Event]) -> tuple[list[torch.cuda.Event], tuple[Any, ...], LayerFlags | None]:
+        """Submit a staged transfer (see :mod:`hicache.transfer.staged`); returns per-layer events, the
+        buffers to keep alive, and the layer flags of a resident load (:meth:`_staged_resident`).
 
         Load (:meth:`_staged_load`), per chunk: the load stream DMAs host runs into a slot, the stage
         stream scatters the slot into L1. Backup, per chunk: the stage stream gathers L1 into a slot, the
@@ -539,8 +594,11 @@ class CudaTransferEngine(TransferEngine):
             idx = torch.empty(idx_host.shape, dtype=torch.int64, device=self.device)
         # by a kernel, not a memcpy, which would queue behind bulk DMA in flight (see fetch_indices)
         self.stage_kernel.fetch_indices(sst.cuda_stream, idx_host.data_ptr(), idx.data_ptr(), idx.numel())
+        if self.staged_kernel == "resident":
+            events, meta, flags = self._staged_resident(host_idx, to_host, stream, st, idx.data_ptr())
+            return events, (idx_host, idx, *meta), flags
         if not to_host:
-            return self._staged_load(host_idx, stream, st, idx.data_ptr()), (idx_host, idx)
+            return self._staged_load(host_idx, stream, st, idx.data_ptr()), (idx_host, idx), None
         per_group = group_layers(L, C, piece, L * C * piece, st.slot_bytes)  # backups: whole pages
         sh, ssh = stream.cuda_stream, sst.cuda_stream
         for l0 in range(0, L, per_group):
@@ -564,7 +622,7 @@ class CudaTransferEngine(TransferEngine):
                 st.free[s] = freed
         final = torch.cuda.Event()
         final.record(stream)
-        return [final] * L, (idx_host, idx)
+        return [final] * L, (idx_host, idx), None
 
     def _staged_load(self, host_idx: np.ndarray, stream: torch.cuda.Stream, st: _Stager,
                      idx_ptr: int) -> list[torch.cuda.Event]:
@@ -581,12 +639,7 @@ class CudaTransferEngine(TransferEngine):
         g = self.geometry
         piece = g.piece_bytes
         n = len(host_idx)
-        per_group = group_layers(L, C, piece, self.ce_min_copy_bytes, st.slot_bytes)
-        # one group (whole pages): every layer is ready at once anyway, and whole-page runs of consecutive
-        # host pages merge into single copies, which staggering would split
-        ways = 1 if per_group >= L else max(1, min(self.stagger_ways, per_group, n // STAGGER_MIN_PAGES))
-        sched = stagger_schedule(L, per_group, ways)
-        bounds = way_bounds(n, ways)
+        sched, bounds = self._load_schedule(n, st)
         sst = st.stream
         sh, ssh = stream.cuda_stream, sst.cuda_stream
         landed: list[torch.cuda.Event] = []
@@ -617,6 +670,96 @@ class CudaTransferEngine(TransferEngine):
         final.record(stream)
         last = len(sched.units) - 1
         return [final if sched.ready[layer] == last else landed[sched.ready[layer]] for layer in range(L)]
+
+    def _load_schedule(self, n: int, st: _Stager) -> tuple[LoadSchedule, list[tuple[int, int]]]:
+        """The staggered group schedule of a staged load of ``n`` pages, and each part's page range."""
+        L, C = self.layout.num_layers, self.layout.kv_count
+        per_group = group_layers(L, C, self.geometry.piece_bytes, self.ce_min_copy_bytes, st.slot_bytes)
+        # one group (whole pages): every layer is ready at once anyway, and whole-page runs of consecutive
+        # host pages merge into single copies, which staggering would split
+        ways = 1 if per_group >= L else max(1, min(self.stagger_ways, per_group, n // STAGGER_MIN_PAGES))
+        return stagger_schedule(L, per_group, ways), way_bounds(n, ways)
+
+    def _staged_resident(self, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream, st: _Stager,
+                         idx_ptr: int) -> tuple[list[torch.cuda.Event], tuple[Any, ...], LayerFlags | None]:
+        """A staged transfer whose device-side copies run as one resident kernel (``staged_resident``).
+
+        The chunks are planned as by :meth:`_staged_load` (loads: staggered layer groups) or the per-chunk
+        backup (whole pages). Chunk ``k`` of the stager's life gets number ``k + 1``. The copy-engine
+        stream, per chunk: waits until the slot may be written (a load: the kernel finished the slot's
+        previous chunk; a backup: the kernel gathered this chunk), runs the DMA, then writes the chunk's
+        number to ``slot_ready``. The kernel waits for ``slot_ready`` (a load: this chunk landed; a backup:
+        the slot's previous chunk drained) and publishes ``slot_done`` and the per-layer flags. Neither
+        side waits for anything the other has not already been given, so the two never deadlock; the
+        kernel needs SMs once per transfer, not once per chunk.
+        """
+        assert self._rt is not None
+        L, C = self.layout.num_layers, self.layout.kv_count
+        g = self.geometry
+        piece = g.piece_bytes
+        n = len(host_idx)
+        # (plan, first page position, pages, first slot lc, lcs) per chunk, in order
+        chunks: list[tuple[CopyPlan, int, int, int, int]] = []
+        layer_chunk = np.zeros(L + (L & 1), dtype=np.int32)  # even length: packs into int64 words
+        if to_host:
+            per_group = group_layers(L, C, piece, L * C * piece, st.slot_bytes)  # whole pages
+            for l0 in range(0, L, per_group):
+                ng = min(per_group, L - l0)
+                for ch in plan_group(g.host_base, g.host_page_stride, piece, C, host_idx, l0, ng, st.slot_bytes,
+                                     True, STAGE_RAMP if l0 == 0 else 0, 0):
+                    chunks.append((ch.plan, ch.i0, ch.i1 - ch.i0, l0 * C, ng * C))
+        else:
+            sched, bounds = self._load_schedule(n, st)
+            unit_end = []
+            for ui, u in enumerate(sched.units):
+                lo, hi = bounds[u.way]
+                ramp_down = STAGE_RAMP if ui == len(sched.units) - 1 else 0
+                for ch in plan_group(g.host_base, g.host_page_stride, piece, C, host_idx[lo:hi], u.layer_begin,
+                                     u.n_layers, st.slot_bytes, False, 0, ramp_down):
+                    chunks.append((ch.plan, lo + ch.i0, ch.i1 - ch.i0, u.layer_begin * C, u.n_layers * C))
+                unit_end.append(len(chunks) - 1)
+            layer_chunk[:L] = [unit_end[sched.ready[layer]] for layer in range(L)]
+        if st.chunk_seq + len(chunks) >= SEQ_LIMIT or st.layer_seq + 1 >= SEQ_LIMIT:
+            st.restart_flags()
+        desc = np.empty((len(chunks), STAGED_DESC_WORDS), dtype=np.int64)
+        issue: list[tuple[CopyPlan, int, int, int]] = []  # (plan into/out of the slot, slot, number, previous)
+        for k, (plan, i0, npg, lc0, nlc) in enumerate(chunks):
+            s, base = st.take()
+            st.chunk_seq += 1
+            num, prev = st.chunk_seq, st.last[s]
+            st.last[s] = num
+            desc[k] = (s, prev if to_host else num, num, base, i0, npg, lc0, nlc)
+            issue.append((with_slot_base(plan, base, to_host), s, num, prev))
+        layer_seq = 0
+        if not to_host:
+            st.layer_seq += 1
+            layer_seq = st.layer_seq
+        meta_host = torch.from_numpy(np.concatenate([desc.ravel(), layer_chunk.view(np.int64)])).pin_memory()
+        sst = st.stream
+        ssh, sh = sst.cuda_stream, stream.cuda_stream
+        with torch.cuda.stream(sst):  # allocated on the stream that uses it
+            meta = torch.empty(meta_host.shape, dtype=torch.int64, device=self.device)
+        self.stage_kernel.fetch_indices(ssh, meta_host.data_ptr(), meta.data_ptr(), meta.numel())
+        self.stage_kernel.launch_resident(
+            ssh, DEFAULT_RESIDENT_BLOCKS, meta.data_ptr(), len(chunks), idx_ptr, st.pos.data_ptr(),
+            st.slot_ready.data_ptr(), st.slot_done.data_ptr(), st.counters.data_ptr(),
+            meta.data_ptr() + 8 * desc.size, 0 if to_host else L, st.layer_flags.data_ptr(), layer_seq, to_host)
+        kernel_done = torch.cuda.Event()
+        kernel_done.record(sst)
+        mo, ctx = self._mem_ops, self._mem_context
+        ready_ptr, done_ptr = st.slot_ready.data_ptr(), st.slot_done.data_ptr()
+        for plan, s, num, prev in issue:
+            if to_host:
+                mo.wait_geq(sh, done_ptr + 4 * s, num, ctx)  # gathered into the slot
+            elif prev:
+                mo.wait_geq(sh, done_ptr + 4 * s, prev, ctx)  # the slot's previous chunk scattered
+            self._rt.run(plan, sh)
+            mo.write(sh, ready_ptr + 4 * s, num, ctx)
+        stream.wait_event(kernel_done)
+        final = torch.cuda.Event()
+        final.record(stream)
+        flags = None if to_host else LayerFlags(mo, st.layer_flags.data_ptr(), layer_seq, ctx)
+        return [final] * L, (meta_host, meta), flags
 
     def load(self, host_idx: np.ndarray, device_idx: np.ndarray) -> TransferHandle:
         src, dst = self._check(host_idx, device_idx, self.host_pool.num_pages, self.device_pool.num_pages)

@@ -3,7 +3,9 @@
 * :class:`StreamWaiter`: ``wait_geq(stream, address, value)`` enqueues on ``stream`` a wait until the
   32-bit word at device ``address`` is >= ``value`` (``cuStreamWaitValue32``); the host does not block.
   The transfer engine uses it for per-layer readiness of a load that runs as one kernel launch (the
-  kernel publishes a flag per layer).
+  kernel publishes a flag per layer). ``write(stream, address, value)`` enqueues the matching store
+  (``cuStreamWriteValue32``), ordered after the work queued before it: the resident staged kernel learns
+  from it that a slot's DMA has finished.
 * :class:`KernelLauncher`: ``cuLaunchKernel`` with the arguments packed into one buffer, less host time
   than a launch through CuPy (the staged path launches a kernel per staging chunk).
 """
@@ -16,6 +18,7 @@ import threading
 from typing import Any, ClassVar, Self
 
 CU_STREAM_WAIT_VALUE_GEQ = 0x0
+CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
 
 
 class _Driver:
@@ -73,13 +76,35 @@ class StreamWaiter(_Driver):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         self._wait = fn
+        self._write: Any = None
+        try:
+            wr = self._entry("cuStreamWriteValue32_v2", "cuStreamWriteValue32")
+        except OSError:
+            pass  # waits still work; write() raises
+        else:
+            wr.restype = ctypes.c_int
+            wr.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            self._write = wr
 
-    def wait_geq(self, stream: int, address: int, value: int, context: int) -> None:
-        """Make ``stream`` wait until ``*(uint32*)address >= value``; ``context`` made current if none is."""
+    def _ensure_context(self, context: int) -> None:
         if context and self.current_context() == 0:
             err = self._lib.cuCtxSetCurrent(context)
             if err != 0:
                 raise RuntimeError(f"cuCtxSetCurrent failed: {err}")
+
+    def write(self, stream: int, address: int, value: int, context: int) -> None:
+        """Make ``stream`` store ``value`` to the 32-bit word at device ``address`` once its earlier work
+        is done; ``context`` made current if none is."""
+        if self._write is None:
+            raise OSError("cuStreamWriteValue32 not in libcuda")
+        self._ensure_context(context)
+        err = self._write(stream, address, value, CU_STREAM_WRITE_VALUE_DEFAULT)
+        if err != 0:
+            raise RuntimeError(f"cuStreamWriteValue32 failed: CUresult {err}")
+
+    def wait_geq(self, stream: int, address: int, value: int, context: int) -> None:
+        """Make ``stream`` wait until ``*(uint32*)address >= value``; ``context`` made current if none is."""
+        self._ensure_context(context)
         err = self._wait(stream, address, value, CU_STREAM_WAIT_VALUE_GEQ)
         if err != 0:
             raise RuntimeError(f"cuStreamWaitValue32 failed: CUresult {err}")

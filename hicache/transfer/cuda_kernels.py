@@ -43,6 +43,11 @@ ITEMS_FLAG = 2  # PAGE_COPY_ITEMS in the source: a device-to-device backup walks
 PAGE_COPY_ARGS = struct.Struct("@QQqqQQqiiqi")
 LOAD_LAYERS_ARGS = struct.Struct("@QQqqQQqiiqQQI")
 FETCH_ARGS = struct.Struct("@QQq")
+RESIDENT_ARGS = struct.Struct("@QqQiQQQQQQiQIi")
+STAGED_DESC_WORDS = 8  # int64 words per chunk descriptor of staged_resident (see the source)
+# Blocks of a resident staged kernel: it holds them for the whole transfer, so as few as keep a
+# device-to-device copy well ahead of the link.
+DEFAULT_RESIDENT_BLOCKS = 2
 _NUMPY_OF = {"Q": np.uint64, "q": np.int64, "i": np.int32, "I": np.uint32}
 
 _modules: dict[int, Any] = {}
@@ -70,6 +75,7 @@ def _module(device_index: int) -> Any:
                 for w in VECTOR_WIDTHS:  # compile and load now, not inside a timed region
                     mod.get_function(f"page_copy_{w}")
                     mod.get_function(f"page_load_layers_{w}")
+                    mod.get_function(f"staged_resident_{w}")
                 mod.get_function("fetch_indices")
             _modules[device_index] = mod
         return mod
@@ -129,7 +135,9 @@ class KernelCopier:
         self._kernel = self._module.get_function(f"page_copy_{self.width}")
         self._layers_kernel = self._module.get_function(f"page_load_layers_{self.width}")
         self._fetch_kernel = self._module.get_function("fetch_indices")
-        for k in (self._kernel, self._layers_kernel):  # never ask for more threads than the kernel can take
+        self._resident_kernel = self._module.get_function(f"staged_resident_{self.width}")
+        # never ask for more threads than a kernel can take
+        for k in (self._kernel, self._layers_kernel, self._resident_kernel):
             self.threads = min(self.threads, int(getattr(k, "max_threads_per_block", self.threads)))
         self._cupy = cupy
         self._dev_ptrs = torch.tensor(np.array(g.dev_ptrs, dtype=np.uint64).view(np.int64),
@@ -146,7 +154,8 @@ class KernelCopier:
                 self._context = launcher.current_context()
                 # RawKernel.kernel is the Function loaded on the current device; .ptr its CUfunction
                 self._fn_ptrs = {id(k): int(getattr(getattr(k, "kernel", k), "ptr", 0) or 0)
-                                 for k in (self._kernel, self._layers_kernel, self._fetch_kernel)}
+                                 for k in (self._kernel, self._layers_kernel, self._fetch_kernel,
+                                           self._resident_kernel)}
             if not self._context:
                 raise RuntimeError("no current CUDA context")
             if not all(self._fn_ptrs.values()):
@@ -281,3 +290,21 @@ class KernelCopier:
         self._run(self._layers_kernel, grid, self.threads, stream_handle, LOAD_LAYERS_ARGS,
                   self._dev_ptrs.data_ptr(), g.host_base, g.host_page_stride, g.host_lc_stride, dev_idx_ptr,
                   host_idx_ptr, n_pages, n_layers, kv_count, self.piece_vecs, counters_ptr, flags_ptr, seq)
+
+    def launch_resident(self, stream_handle: int, blocks: int, desc_ptr: int, n_chunks: int, dev_idx_ptr: int,
+                        pos_idx_ptr: int, slot_ready_ptr: int, slot_done_ptr: int, counters_ptr: int,
+                        layer_chunk_ptr: int, n_layers: int, layer_flags_ptr: int, layer_seq: int,
+                        to_host: bool) -> None:
+        """A whole staged transfer's device-side copies in one resident launch of ``blocks`` blocks.
+
+        ``desc`` (device int64, ``STAGED_DESC_WORDS`` per chunk) lists the chunks in order; the kernel
+        waits for ``slot_ready``, copies, publishes ``slot_done`` and, for loads, the per-layer flags of
+        ``layer_chunk`` (device int32 per layer, ``n_layers`` of them; 0 for backups). ``counters``
+        (uint32 per slot) must be zero; the kernel leaves them zero. See ``staged_resident`` in the source.
+        """
+        if n_chunks <= 0:
+            return
+        self._run(self._resident_kernel, max(1, blocks), self.threads, stream_handle, RESIDENT_ARGS,
+                  self._dev_ptrs.data_ptr(), self.piece_vecs, desc_ptr, n_chunks, dev_idx_ptr, pos_idx_ptr,
+                  slot_ready_ptr, slot_done_ptr, counters_ptr, layer_chunk_ptr, n_layers, layer_flags_ptr,
+                  layer_seq, 1 if to_host else 0)

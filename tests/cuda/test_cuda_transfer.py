@@ -77,27 +77,35 @@ def _expect_backup(host_before: torch.Tensor, host_layout: str, dev_snap, d: np.
     return out
 
 
+def _backend_kw(io_backend: str) -> dict[str, Any]:
+    """Engine keywords of a test backend name: ``staged_resident`` is the staged path with its
+    device-side copies in one resident kernel."""
+    if io_backend == "staged_resident":
+        return {"io_backend": "staged", "staged_kernel": "resident"}
+    return {"io_backend": io_backend}
+
+
 def _indices(n: int, n_dev: int, n_host: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     return rng.permutation(n_dev)[:n].astype(np.int64), rng.permutation(n_host)[:n].astype(np.int64)
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged"])
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged", "staged_resident"])
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize(("layout", "width"), LAYOUTS, ids=IDS)
 def test_load_and_backup_match_torch(layout: KVLayout, width: int, host_layout: str, io_backend: str) -> None:
     n_dev, n_host, n = 37, 41, 23
     dev, host = _pools(layout, n_dev, n_host, host_layout, seed=1)
-    kw = {}
-    if io_backend == "staged":
+    kw = _backend_kw(io_backend)
+    if io_backend.startswith("staged"):
         if host_layout == "layer_first":
             with pytest.raises(ValueError, match="page_first"):
-                create_engine("cuda", dev, host, io_backend=io_backend)
+                create_engine("cuda", dev, host, **kw)
             return
         # slots of 3 whole pages: many chunks per transfer, both slots reused across groups
-        kw = {"staging_bytes": 4 * 3 * layout.num_layers * layout.kv_count * layout.bytes_per_layer_piece,
-              "ce_min_copy_bytes": 2 * layout.bytes_per_layer_piece}
-    eng = create_engine("cuda", dev, host, io_backend=io_backend, **kw)
+        kw |= {"staging_bytes": 4 * 3 * layout.num_layers * layout.kv_count * layout.bytes_per_layer_piece,
+               "ce_min_copy_bytes": 2 * layout.bytes_per_layer_piece}
+    eng = create_engine("cuda", dev, host, **kw)
     try:
         if io_backend == "kernel":
             assert eng.kernel.width == width
@@ -187,12 +195,12 @@ BIG = KVLayout(8, 8, 128, "bfloat16", 256)  # 512 KiB pieces: 64 pages = 64 MiB 
 
 @pytest.mark.parametrize(("io_backend", "layer_signal", "expect_signal"),
                          [("kernel", "auto", "flags"), ("kernel", "events", "events"), ("copy_engine", "auto", None),
-                          ("staged", "auto", None)])
+                          ("staged", "auto", None), ("staged_resident", "auto", None)])
 def test_layer_visible_after_wait_layer(io_backend: str, layer_signal: str, expect_signal: str | None) -> None:
     """Compute queued after wait_layer(i) sees layer i; the host never blocks; the handle polls."""
     n = 64
     dev, host = _pools(BIG, n, n, "page_first", seed=5)
-    eng = create_engine("cuda", dev, host, io_backend=io_backend, layer_signal=layer_signal)
+    eng = create_engine("cuda", dev, host, layer_signal=layer_signal, **_backend_kw(io_backend))
     try:
         if expect_signal is not None:
             assert eng.layer_signal == expect_signal  # type: ignore[attr-defined]
@@ -268,12 +276,12 @@ def test_flag_loads_in_sequence_and_from_another_thread() -> None:
         eng.close()
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged"])
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged", "staged_resident"])
 def test_backup_waits_for_compute_writer(io_backend: str) -> None:
     """A backup submitted right after the compute stream writes the pages copies the new values."""
     layout = KVLayout(4, 2, 64, "bfloat16", 16)
-    dev, host = _pools(layout, 16, 16, "page_first" if io_backend == "staged" else "layer_first", seed=7)
-    eng = create_engine("cuda", dev, host, io_backend=io_backend)
+    dev, host = _pools(layout, 16, 16, "page_first" if io_backend.startswith("staged") else "layer_first", seed=7)
+    eng = create_engine("cuda", dev, host, **_backend_kw(io_backend))
     try:
         d, h = _indices(8, 16, 16, seed=8)
         gen = torch.Generator().manual_seed(9)
@@ -303,12 +311,12 @@ def test_backup_waits_for_compute_writer(io_backend: str) -> None:
         eng.close()
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged"])
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged", "staged_resident"])
 def test_load_waits_for_backup_of_same_host_pages(io_backend: str) -> None:
     """Load of host pages a running backup is writing sees the backed-up data (cross-stream ordering)."""
     n = 64
     dev, host = _pools(BIG, 2 * n, n, "page_first", seed=10)
-    eng = create_engine("cuda", dev, host, io_backend=io_backend)
+    eng = create_engine("cuda", dev, host, **_backend_kw(io_backend))
     try:
         a = np.arange(n, dtype=np.int64)
         b = np.arange(n, 2 * n, dtype=np.int64)
@@ -442,19 +450,58 @@ def test_auto_picks_staged_for_small_pieces_on_page_first_hosts() -> None:
             eng.close()
 
 
+@pytest.mark.parametrize("kernel", ["per_chunk", "resident"])
 @pytest.mark.parametrize("ways", [1, 2, 4])
-def test_staggered_staged_load_layer_by_layer(ways: int) -> None:
+def test_staggered_staged_load_layer_by_layer(ways: int, kernel: str) -> None:
     """A load of 4 KiB pieces in two groups of 8 layers, staggered ``ways`` ways: each layer holds the
-    host data once its wait returns, and layers become ready in ``2 * ways`` steps."""
+    host data once its wait returns, and layers become ready in ``2 * ways`` steps (per-chunk kernels:
+    one event per step; resident: one flag per layer and one completion event)."""
     layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces: 8 layers make a 64 KiB run per page
     n = 512  # parts of at least 128 pages
     dev, host = _pools(layout, n + 64, n + 32, "page_first", seed=21, pin=True)
-    eng = create_engine("cuda", dev, host, io_backend="staged", stagger_ways=ways)
+    eng = create_engine("cuda", dev, host, io_backend="staged", stagger_ways=ways, staged_kernel=kernel)
     try:
         d, h = _indices(n, n + 64, n + 32, seed=22)
         handle = _load_checked_layer_by_layer(eng, dev, host, d, h)
         steps = len({id(e) for e in handle.events})  # type: ignore[attr-defined]
-        assert steps == 2 * ways, steps
+        if kernel == "resident":
+            assert steps == 1 and handle.flags is not None  # type: ignore[attr-defined]
+        else:
+            assert steps == 2 * ways, steps
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_resident_staged_transfers_back_to_back(wrap: bool) -> None:
+    """Loads and backups queued back to back on the resident staged path, with slots reused within and
+    across transfers (and, with ``wrap``, the flag numbering restarting on the way): every load gates
+    compute layer by layer on the right data, every backup lands, nothing waits forever."""
+    layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces
+    n = 256
+    dev, host = _pools(layout, 4 * n, 4 * n, "page_first", seed=30, pin=True)
+    # 4 slots of 1 MiB: 8 pages of 128 KiB per backup chunk, 32 pages of 32 KiB per load chunk
+    eng = create_engine("cuda", dev, host, io_backend="staged", staged_kernel="resident", staging_bytes=4 << 20,
+                        ce_min_copy_bytes=32 << 10)
+    try:
+        rng = np.random.default_rng(31)
+        for rnd in range(3):
+            if wrap and rnd == 1:
+                for st in eng._stagers.values():  # type: ignore[attr-defined]
+                    st.chunk_seq = (1 << 31) - 5  # the next transfer restarts the numbering
+            d = rng.permutation(4 * n)[:n].astype(np.int64)
+            h = rng.permutation(4 * n)[:n].astype(np.int64)
+            _load_checked_layer_by_layer(eng, dev, host, d, h)
+            d2, h2 = rng.permutation(4 * n)[:n].astype(np.int64), rng.permutation(4 * n)[:n].astype(np.int64)
+            hb = host.buffer.view(torch.uint8).clone()
+            dsnap = _snapshot(dev)
+            backs = [eng.backup(d2[i::2], h2[i::2]) for i in range(2)]
+            for b in backs:
+                b.wait()
+            every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
+            assert torch.equal(host.buffer.view(torch.uint8), _expect_backup(hb, "page_first", dsnap, d2, h2, every))
+        if wrap:
+            assert all(st.chunk_seq < 1 << 20 for st in eng._stagers.values())  # type: ignore[attr-defined]
     finally:
         eng.close()
 
@@ -498,7 +545,7 @@ def test_large_pool_registered_in_place_and_released() -> None:
     assert rss - _rss_bytes() > 5 * 2**30
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged", "auto"])
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged", "auto", "staged_resident"])
 def test_cache_round_trip_through_l2(io_backend: str) -> None:
     """HiCache on the GPU: commit (write-through backup), evict L1, match from L2, load back layer by layer."""
     from hicache.cache import HiCache
@@ -506,8 +553,11 @@ def test_cache_round_trip_through_l2(io_backend: str) -> None:
 
     cfg = HiCacheConfig(layout=LayoutConfig(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16),
                         cache=CacheConfig(device="cuda", l1_tokens=16 * 64, l2_tokens=16 * 128,
-                                          write_policy="write_through", io_backend=io_backend,
-                                          transfer_options={"stagger_ways": 2, "staging_bytes": 1 << 20}))
+                                          write_policy="write_through",
+                                          io_backend=_backend_kw(io_backend)["io_backend"],
+                                          transfer_options={"stagger_ways": 2, "staging_bytes": 1 << 20,
+                                                            "staged_kernel": _backend_kw(io_backend).get(
+                                                                "staged_kernel", "per_chunk")}))
     cache = HiCache(cfg)
     try:
         assert cache.transfer.name == "cuda"
