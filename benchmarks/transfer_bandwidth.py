@@ -324,7 +324,9 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
     configs += [("h2d", "kernel", {"blocks": bl}) for bl in args.blocks_sweep]
     configs += [("d2h", "kernel", {}), ("h2d", "copy_engine", {}), ("d2h", "copy_engine", {}),
                 ("d2h", "copy_engine", {"backup_streams": 1}), ("h2d", "staged", {}),
-                ("h2d", "staged", {"staging_bytes": 64 << 20}), ("d2h", "staged", {})]
+                ("h2d", "staged", {"staging_bytes": 64 << 20}), ("d2h", "staged", {}),
+                ("h2d", "staged", {"staged_kernel": "resident"}), ("d2h", "staged", {"staged_kernel": "resident"}),
+                ("h2d", "staged", {"staged_kernel": "resident", "resident_blocks": 1})]
     return bench_compute(args, ceil, gemm_compute(), configs)
 
 
@@ -455,7 +457,8 @@ def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict
         (64, [("kernel", {}), ("kernel", {"layer_signal": "events"}), ("copy_engine", {}), ("staged", {})]),
         (4, [("kernel", {}), ("staged", {"stagger_ways": 1}), ("staged", {"stagger_ways": 2}), ("staged", {}),
              ("staged", {"ce_min_copy_bytes": 32 << 10, "stagger_ways": 1}),
-             ("staged", {"ce_min_copy_bytes": 32 << 10})]),
+             ("staged", {"ce_min_copy_bytes": 32 << 10}), ("staged", {"staged_kernel": "resident"}),
+             ("staged", {"staged_kernel": "resident", "resident_blocks": 1})]),
     ]
     for kib, configs in plan:
         rows += _overlap(args, ceil, kib << 10, configs)
@@ -510,7 +513,9 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
                          "bytes": s.bytes})
             print(f"32-layer overlap {piece >> 10:>3} KiB {backend:<11} {signal:<6} "
                   f"compute/load {t_comp / t_load:4.2f}: load {t_load * 1e3:6.2f} ms, "
-                  f"compute {t_comp * 1e3:6.2f} ms, overlapped {t_over * 1e3:6.2f} ms = {ratio:.3f} x max", flush=True)
+                  f"compute {t_comp * 1e3:6.2f} ms, overlapped {t_over * 1e3:6.2f} ms = {ratio:.3f} x max"
+                  + "".join(f" {k}={v}" for k, v in kw.items() if k not in ("stagger_ways", "ce_min_copy_bytes")),
+                  flush=True)
         eng.close()
     return rows
 

@@ -258,7 +258,7 @@ class CudaTransferEngine(TransferEngine):
                  ce_min_copy_bytes: int = 64 << 10, register_host: bool = True,
                  layer_signal: str = "auto", staging_bytes: int = DEFAULT_STAGING_BYTES,
                  stagger_ways: int = 4, backup_streams: int = DEFAULT_BACKUP_STREAMS,
-                 staged_kernel: str = "per_chunk") -> None:
+                 staged_kernel: str = "per_chunk", resident_blocks: int = DEFAULT_RESIDENT_BLOCKS) -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
@@ -278,7 +278,10 @@ class CudaTransferEngine(TransferEngine):
             raise ValueError(f"backup_streams: must be >= 1, got {backup_streams}")
         if staged_kernel not in STAGED_KERNELS:
             raise ValueError(f"staged_kernel: must be one of {STAGED_KERNELS}, got {staged_kernel!r}")
+        if resident_blocks < 1:
+            raise ValueError(f"resident_blocks: must be >= 1, got {resident_blocks}")
         self.staged_kernel = staged_kernel
+        self.resident_blocks = resident_blocks
         self.stagger_ways = stagger_ways
         self.backup_streams = backup_streams
         self.io_backend: IoBackend = io_backend  # type: ignore[assignment]
@@ -741,7 +744,7 @@ class CudaTransferEngine(TransferEngine):
             meta = torch.empty(meta_host.shape, dtype=torch.int64, device=self.device)
         self.stage_kernel.fetch_indices(ssh, meta_host.data_ptr(), meta.data_ptr(), meta.numel())
         self.stage_kernel.launch_resident(
-            ssh, DEFAULT_RESIDENT_BLOCKS, meta.data_ptr(), len(chunks), idx_ptr, st.pos.data_ptr(),
+            ssh, self.resident_blocks, meta.data_ptr(), len(chunks), idx_ptr, st.pos.data_ptr(),
             st.slot_ready.data_ptr(), st.slot_done.data_ptr(), st.counters.data_ptr(),
             meta.data_ptr() + 8 * desc.size, 0 if to_host else L, st.layer_flags.data_ptr(), layer_seq, to_host)
         kernel_done = torch.cuda.Event()
