@@ -57,7 +57,14 @@ I/O backends (``io_backend``):
   ``staging_bytes`` (default ``DEFAULT_STAGING_BYTES``, 256 MiB, device memory taken on first use) is
   split into slots of at most ``LOAD_SLOT_BYTES`` (16 MiB; at least four slots) used in turn; backups
   use four slots of at most ``BACKUP_SLOT_BYTES`` (8 MiB), which stay in L2 between gather and DMA.
-  See :mod:`hicache.transfer.staged`.
+  See :mod:`hicache.transfer.staged`. ``staged_kernel`` picks how the device-side copies run:
+  ``per_chunk`` (default) launches one short kernel per staging chunk; each launch must win SMs from
+  running compute. ``resident`` launches one kernel per transfer that stays on ``resident_blocks`` SMs
+  (default 2) and follows the DMA through 32-bit flags in device memory: the copy-engine stream writes
+  a slot's flag after its DMA (``cuStreamWriteValue32``) and waits for the kernel's before reusing the
+  slot (``cuStreamWaitValue32``); the kernel publishes per-layer flags that ``wait_layer`` waits on. It
+  keeps staged loads near the link beside long compute kernels, but the SMs it holds slow compute that
+  runs beside it (see the README's figures).
 * ``auto``: per transfer, the copy engine when its copies average at least ``ce_min_copy_bytes``
   (default 64 KiB: measured on H200/PCIe Gen5, the copy engine then runs at the link ceiling with
   no SM use, and its per-copy submission cost stays below the copy time); else the staged path where
