@@ -78,6 +78,7 @@ unregisters it in :meth:`CudaTransferEngine.close`. Close the engine before ``ho
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -758,13 +759,23 @@ class CudaTransferEngine(TransferEngine):
         kernel_done.record(sst)
         mo, ctx = self._mem_ops, self._mem_context
         ready_ptr, done_ptr = st.slot_ready.data_ptr(), st.slot_done.data_ptr()
-        for plan, s, num, prev in issue:
-            if to_host:
-                mo.wait_geq(sh, done_ptr + 4 * s, num, ctx)  # gathered into the slot
-            elif prev:
-                mo.wait_geq(sh, done_ptr + 4 * s, prev, ctx)  # the slot's previous chunk scattered
-            self._rt.run(plan, sh)
-            mo.write(sh, ready_ptr + 4 * s, num, ctx)
+        issued = 0
+        try:
+            for plan, s, num, prev in issue:
+                if to_host:
+                    mo.wait_geq(sh, done_ptr + 4 * s, num, ctx)  # gathered into the slot
+                elif prev:
+                    mo.wait_geq(sh, done_ptr + 4 * s, prev, ctx)  # the slot's previous chunk scattered
+                self._rt.run(plan, sh)
+                mo.write(sh, ready_ptr + 4 * s, num, ctx)
+                issued += 1
+        except BaseException:
+            # The kernel is queued and would wait forever for flags this loop never wrote: release it
+            # (a failed load's pages then hold stale slot bytes; the caller gets the error, not a handle).
+            for _, s, num, _ in issue[issued:]:
+                with contextlib.suppress(Exception):
+                    mo.write(sh, ready_ptr + 4 * s, num, ctx)
+            raise
         stream.wait_event(kernel_done)
         final = torch.cuda.Event()
         final.record(stream)

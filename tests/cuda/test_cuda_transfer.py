@@ -506,6 +506,45 @@ def test_resident_staged_transfers_back_to_back(wrap: bool) -> None:
         eng.close()
 
 
+@pytest.mark.parametrize("to_host", [False, True])
+def test_resident_staged_failure_midway_releases_the_kernel(to_host: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resident staged transfer whose DMA submission fails partway raises, and the kernel already
+    queued is released: the device does not hang, and the next transfers are correct."""
+    layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces
+    n = 256
+    dev, host = _pools(layout, 2 * n, 2 * n, "page_first", seed=40, pin=True)
+    eng = create_engine("cuda", dev, host, io_backend="staged", staged_kernel="resident", staging_bytes=4 << 20,
+                        ce_min_copy_bytes=32 << 10)
+    try:
+        rt = eng._rt  # type: ignore[attr-defined]
+        real = rt.run
+        calls = {"n": 0}
+
+        def flaky(plan: Any, stream: int, *a: Any, **k: Any) -> None:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected DMA failure")
+            real(plan, stream, *a, **k)
+
+        monkeypatch.setattr(rt, "run", flaky)  # the runtime is shared by every engine: undone below
+        d, h = _indices(n, 2 * n, 2 * n, seed=41)
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                eng.backup(d, h) if to_host else eng.load(h, d)
+        finally:
+            monkeypatch.undo()
+        eng.synchronize()  # would hang on a kernel still waiting for its flags
+        _load_checked_layer_by_layer(eng, dev, host, d, h)
+        hb = host.buffer.view(torch.uint8).clone()
+        dsnap = _snapshot(dev)
+        d2, h2 = _indices(n, 2 * n, 2 * n, seed=42)
+        eng.backup(d2, h2).wait()
+        every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
+        assert torch.equal(host.buffer.view(torch.uint8), _expect_backup(hb, "page_first", dsnap, d2, h2, every))
+    finally:
+        eng.close()
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
