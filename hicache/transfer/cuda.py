@@ -117,7 +117,8 @@ CUDA_HOST_REGISTER_MAPPED = 2
 # A staged load's device-side scatter runs only when compute frees SMs, which a GEMM's persistent kernels
 # hold until they end (about 1.4 ms for a bf16 8192^3 GEMM on an H200); meanwhile the DMA fills free
 # slots. Slots covering ~5 ms of the link keep it busy (staged 4 KiB loads beside that GEMM, four runs
-# each: 0.76-0.91 of a contiguous copy with 64 MiB, 0.79-0.99 with 256 MiB; alone, the same rate).
+# each: 0.76-0.91 of a contiguous copy with 64 MiB, 0.79-0.99 with 256 MiB, later runs down to 0.76; alone,
+# the same rate). staged_kernel="resident" waits for SMs once per transfer instead (0.87-0.92).
 DEFAULT_STAGING_BYTES = 256 << 20
 STAGE_SLOTS = 4  # fewest staging slots per direction: DMA keeps going while a slot waits for SMs to free it
 # A load's slots are at most this large (or one whole page, if larger), so staging_bytes beyond
