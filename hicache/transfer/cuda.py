@@ -703,7 +703,9 @@ class CudaTransferEngine(TransferEngine):
         number to ``slot_ready``. The kernel waits for ``slot_ready`` (a load: this chunk landed; a backup:
         the slot's previous chunk drained) and publishes ``slot_done`` and the per-layer flags. Neither
         side waits for anything the other has not already been given, so the two never deadlock; the
-        kernel needs SMs once per transfer, not once per chunk.
+        kernel needs SMs once per transfer, not once per chunk. The numbering and waits are those of
+        :func:`hicache.transfer.resident.number_chunks`, whose protocol :func:`~hicache.transfer.resident.
+        check_protocol` plays out in the tests.
         """
         assert self._rt is not None
         L, C = self.layout.num_layers, self.layout.kv_count
