@@ -95,9 +95,18 @@ def _play(transfers: Sequence[Sequence[ResidentChunk]], n_slots: int, to_host: b
             raise ProtocolError(f"slot {s} consumed as chunk {num} but holds {holds[s]}")
         holds[s] = None
 
+    def move(c: ResidentChunk, wait_on: list[int], wait: int, publish: list[int], fills: bool) -> bool:
+        """Move chunk ``c`` once ``wait_on[slot] >= wait``: fill or drain its slot, publish its number."""
+        nonlocal moves
+        if wait_on[c.slot] < wait:
+            return False
+        (fill if fills else drain)(c.slot, c.number)
+        publish[c.slot] = c.number
+        moves += 1
+        return True
+
     def step_kernel() -> bool:
         """One move of the kernel side; False when it cannot move. Kernels run one transfer after another."""
-        nonlocal moves
         t, i = pos["kernel"]
         if t >= n:
             return False
@@ -105,22 +114,14 @@ def _play(transfers: Sequence[Sequence[ResidentChunk]], n_slots: int, to_host: b
         if i == len(chunks):
             pos["kernel"] = [t + 1, 0]
             return True
-        c = chunks[i]
-        if slot_ready[c.slot] < c.kernel_wait:
+        if not move(chunks[i], slot_ready, chunks[i].kernel_wait, slot_done, fills=to_host):
             return False
-        if to_host:
-            fill(c.slot, c.number)
-        else:
-            drain(c.slot, c.number)
-        slot_done[c.slot] = c.number
         pos["kernel"] = [t, i + 1]
-        moves += 1
         return True
 
     def step_dma() -> bool:
         """One move of the DMA side; its transfer t starts after the kernel of t - 1 ended, and ends
         after its own kernel ended (the stream waits for it)."""
-        nonlocal moves
         t, i = pos["dma"]
         kt = pos["kernel"][0]
         if t >= n or kt < t:
@@ -131,16 +132,9 @@ def _play(transfers: Sequence[Sequence[ResidentChunk]], n_slots: int, to_host: b
                 pos["dma"] = [t + 1, 0]
                 return True
             return False
-        c = chunks[i]
-        if slot_done[c.slot] < c.dma_wait:
+        if not move(chunks[i], slot_done, chunks[i].dma_wait, slot_ready, fills=not to_host):
             return False
-        if to_host:
-            drain(c.slot, c.number)
-        else:
-            fill(c.slot, c.number)
-        slot_ready[c.slot] = c.number
         pos["dma"] = [t, i + 1]
-        moves += 1
         return True
 
     first, second = (step_dma, step_kernel) if favour_dma else (step_kernel, step_dma)
