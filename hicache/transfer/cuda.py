@@ -102,6 +102,7 @@ from hicache.transfer.cuda_kernels import (
     CopyGeometry,
     KernelCopier,
 )
+from hicache.transfer.resident import ResidentChunk, number_chunks
 from hicache.transfer.staged import (
     LoadSchedule,
     group_layers,
@@ -704,7 +705,7 @@ class CudaTransferEngine(TransferEngine):
         number to ``slot_ready``. The kernel waits for ``slot_ready`` (a load: this chunk landed; a backup:
         the slot's previous chunk drained) and publishes ``slot_done`` and the per-layer flags. Neither
         side waits for anything the other has not already been given, so the two never deadlock; the
-        kernel needs SMs once per transfer, not once per chunk. The numbering and waits are those of
+        kernel needs SMs once per transfer, not once per chunk. The numbering and waits come from
         :func:`hicache.transfer.resident.number_chunks`, whose protocol :func:`~hicache.transfer.resident.
         check_protocol` plays out in the tests.
         """
@@ -737,14 +738,13 @@ class CudaTransferEngine(TransferEngine):
         if st.chunk_seq + len(chunks) >= SEQ_LIMIT or st.layer_seq + 1 >= SEQ_LIMIT:
             st.restart_flags()
         desc = np.empty((len(chunks), STAGED_DESC_WORDS), dtype=np.int64)
-        issue: list[tuple[CopyPlan, int, int, int]] = []  # (plan into/out of the slot, slot, number, previous)
-        for k, (plan, i0, npg, lc0, nlc) in enumerate(chunks):
-            s, base = st.take()
-            st.chunk_seq += 1
-            num, prev = st.chunk_seq, st.last[s]
-            st.last[s] = num
-            desc[k] = (s, prev if to_host else num, num, base, i0, npg, lc0, nlc)
-            issue.append((with_slot_base(plan, base, to_host), s, num, prev))
+        taken = [st.take() for _ in chunks]
+        numbered = number_chunks([s for s, _ in taken], st.last, st.chunk_seq + 1, to_host)
+        st.chunk_seq += len(chunks)
+        issue: list[tuple[CopyPlan, ResidentChunk]] = []  # (plan into/out of the slot, numbering)
+        for k, ((plan, i0, npg, lc0, nlc), (s, base), rc) in enumerate(zip(chunks, taken, numbered, strict=True)):
+            desc[k] = (s, rc.kernel_wait, rc.number, base, i0, npg, lc0, nlc)
+            issue.append((with_slot_base(plan, base, to_host), rc))
         layer_seq = 0
         if not to_host:
             st.layer_seq += 1
@@ -765,20 +765,18 @@ class CudaTransferEngine(TransferEngine):
         ready_ptr, done_ptr = st.slot_ready.data_ptr(), st.slot_done.data_ptr()
         issued = 0
         try:
-            for plan, s, num, prev in issue:
-                if to_host:
-                    mo.wait_geq(sh, done_ptr + 4 * s, num, ctx)  # gathered into the slot
-                elif prev:
-                    mo.wait_geq(sh, done_ptr + 4 * s, prev, ctx)  # the slot's previous chunk scattered
+            for plan, rc in issue:
+                if rc.dma_wait:  # a backup: gathered into the slot; a load: the slot's previous chunk scattered
+                    mo.wait_geq(sh, done_ptr + 4 * rc.slot, rc.dma_wait, ctx)
                 self._rt.run(plan, sh)
-                mo.write(sh, ready_ptr + 4 * s, num, ctx)
+                mo.write(sh, ready_ptr + 4 * rc.slot, rc.number, ctx)
                 issued += 1
         except BaseException:
             # The kernel is queued and would wait forever for flags this loop never wrote: release it
             # (a failed load's pages then hold stale slot bytes; the caller gets the error, not a handle).
-            for _, s, num, _ in issue[issued:]:
+            for _, rc in issue[issued:]:
                 with contextlib.suppress(Exception):
-                    mo.write(sh, ready_ptr + 4 * s, num, ctx)
+                    mo.write(sh, ready_ptr + 4 * rc.slot, rc.number, ctx)
             raise
         stream.wait_event(kernel_done)
         final = torch.cuda.Event()

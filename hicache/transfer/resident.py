@@ -20,8 +20,8 @@ Each side handles its chunks in order, and transfers on one engine follow each o
 kernel starts after the previous transfer's kernel, and its DMAs after the previous transfer's kernel
 ended too (the copy-engine stream waits for it). :func:`check_protocol` plays that out step by step and
 raises if the two sides could deadlock or a slot could be overwritten before its chunk was consumed;
-the tests run it on random transfers. ``CudaTransferEngine._staged_resident`` numbers its chunks and
-sets their waits exactly as :func:`number_chunks` does.
+the tests run it on random transfers. ``CudaTransferEngine._staged_resident`` numbers its chunks with
+:func:`number_chunks`.
 """
 
 from __future__ import annotations
