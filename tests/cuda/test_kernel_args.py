@@ -7,7 +7,13 @@ import struct
 import pytest
 
 from hicache.transfer.cuda_driver import KernelLauncher
-from hicache.transfer.cuda_kernels import FETCH_ARGS, LOAD_LAYERS_ARGS, PAGE_COPY_ARGS, kernel_source_path
+from hicache.transfer.cuda_kernels import (
+    FETCH_ARGS,
+    LOAD_LAYERS_ARGS,
+    PAGE_COPY_ARGS,
+    RESIDENT_ARGS,
+    kernel_source_path,
+)
 
 # C parameter type -> struct code (pointers are 64-bit addresses)
 _CODES = {"u64": "Q", "i64": "q", "int": "i", "unsigned int": "I"}
@@ -34,6 +40,7 @@ def _params(source: str, anchor: str) -> list[str]:
     ("#define DEFINE_PAGE_COPY(", PAGE_COPY_ARGS),
     ("#define DEFINE_PAGE_LOAD_LAYERS(", LOAD_LAYERS_ARGS),
     ("void fetch_indices", FETCH_ARGS),
+    ("#define DEFINE_STAGED_RESIDENT(", RESIDENT_ARGS),
 ])
 def test_struct_formats_match_the_kernel_signatures(anchor: str, fmt: struct.Struct) -> None:
     source = kernel_source_path().read_text()
