@@ -226,17 +226,22 @@ class _Stager:
                  num_layers: int = 0) -> None:
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
-        self.buf = torch.empty(n_slots * slot_bytes + 256, dtype=torch.uint8, device=device)
-        self.base = (self.buf.data_ptr() + 255) // 256 * 256
         self.stream = torch.cuda.Stream(device, priority=-1)
         self.free: list[torch.cuda.Event | None] = [None] * n_slots
-        self.pos = torch.arange(max(max_pages, 1), dtype=torch.int64, device=device)
         self._next = 0
-        # resident kernel (staged_kernel="resident"): per-slot flags and counters, per-layer flags
-        self.slot_ready = torch.zeros(n_slots, dtype=torch.int32, device=device)
-        self.slot_done = torch.zeros(n_slots, dtype=torch.int32, device=device)
-        self.counters = torch.zeros(n_slots, dtype=torch.int32, device=device)
-        self.layer_flags = torch.zeros(max(num_layers, 1), dtype=torch.int32, device=device)
+        # Initialised on the stage stream, which is then drained: the caller's stream may be busy, and the
+        # first transfer's kernels and DMA (which follow only its submission point there) must not read
+        # these before they are filled.
+        with torch.cuda.stream(self.stream):
+            self.buf = torch.empty(n_slots * slot_bytes + 256, dtype=torch.uint8, device=device)
+            self.pos = torch.arange(max(max_pages, 1), dtype=torch.int64, device=device)
+            # resident kernel (staged_kernel="resident"): per-slot flags and counters, per-layer flags
+            self.slot_ready = torch.zeros(n_slots, dtype=torch.int32, device=device)
+            self.slot_done = torch.zeros(n_slots, dtype=torch.int32, device=device)
+            self.counters = torch.zeros(n_slots, dtype=torch.int32, device=device)
+            self.layer_flags = torch.zeros(max(num_layers, 1), dtype=torch.int32, device=device)
+        self.stream.synchronize()
+        self.base = (self.buf.data_ptr() + 255) // 256 * 256
         self.last = [0] * n_slots  # chunk number that last used each slot (0: never)
         self.chunk_seq = 0
         self.layer_seq = 0

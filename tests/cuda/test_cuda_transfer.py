@@ -276,12 +276,20 @@ def test_flag_loads_in_sequence_and_from_another_thread() -> None:
         eng.close()
 
 
+SMALL = KVLayout(4, 2, 64, "bfloat16", 16)  # 4 KiB pieces
+
+
+def _small_engine(io_backend: str, seed: int) -> tuple[DevicePool, HostPool, Any]:
+    """16-page pools of ``SMALL`` (a page-first L2 for the staged paths) and an engine on them."""
+    dev, host = _pools(SMALL, 16, 16, "page_first" if io_backend.startswith("staged") else "layer_first", seed=seed)
+    return dev, host, create_engine("cuda", dev, host, **_backend_kw(io_backend))
+
+
 @pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged", "staged_resident"])
 def test_backup_waits_for_compute_writer(io_backend: str) -> None:
     """A backup submitted right after the compute stream writes the pages copies the new values."""
-    layout = KVLayout(4, 2, 64, "bfloat16", 16)
-    dev, host = _pools(layout, 16, 16, "page_first" if io_backend.startswith("staged") else "layer_first", seed=7)
-    eng = create_engine("cuda", dev, host, **_backend_kw(io_backend))
+    layout = SMALL
+    dev, host, eng = _small_engine(io_backend, seed=7)
     try:
         d, h = _indices(8, 16, 16, seed=8)
         gen = torch.Generator().manual_seed(9)
@@ -307,6 +315,30 @@ def test_backup_waits_for_compute_writer(io_backend: str) -> None:
                 got = host.layer_view(layer, c)[torch.from_numpy(h)]
                 assert torch.equal(got.view(torch.uint8), new[i].cpu().view(torch.uint8)), (layer, c)
                 i += 1
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged", "staged_resident"])
+def test_load_waits_for_compute_reader(io_backend: str) -> None:
+    """A load into pages the compute stream is still reading (late) leaves them alone until it has read."""
+    layout = SMALL
+    dev, host, eng = _small_engine(io_backend, seed=30)
+    try:
+        d, h = _indices(8, 16, 16, seed=31)
+        dd = torch.from_numpy(d).cuda()
+        old = [[t.index_select(0, dd).view(torch.uint8).cpu() for t in row] for row in dev.kv]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)  # the reader is late
+        read = [[t.index_select(0, dd) for t in row] for row in dev.kv]
+        handle = eng.load(h, d)  # no host synchronisation in between
+        handle.wait()
+        torch.cuda.synchronize()
+        for layer in range(layout.num_layers):
+            for c in range(2):
+                assert torch.equal(read[layer][c].view(torch.uint8).cpu(), old[layer][c]), (layer, c)
+                got = dev.kv[layer][c][dd].view(torch.uint8).cpu()
+                assert torch.equal(got, host.layer_view(layer, c)[torch.from_numpy(h)].view(torch.uint8))
     finally:
         eng.close()
 
@@ -468,6 +500,54 @@ def test_staggered_staged_load_layer_by_layer(ways: int, kernel: str) -> None:
             assert steps == 1 and handle.flags is not None  # type: ignore[attr-defined]
         else:
             assert steps == 2 * ways, steps
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("kernel", ["per_chunk", "resident"])
+def test_staged_loads_queued_back_to_back_while_scatters_wait(kernel: str) -> None:
+    """Staged loads queued back to back with no host wait, while the stage stream is held up (as when a
+    GEMM keeps the SMs), slots (4 of 1 MiB) reused within and across loads: each handle's layers gate
+    compute on the right data. Then the first backup, from a compute stream still busy with those
+    waits, of the last load's pages into host pages some loads read: it sees the loaded data (its
+    stager's flags are set before its kernel or DMA reads them)."""
+    layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces
+    n = 128
+    dev, host = _pools(layout, 5 * n, 5 * n, "page_first", seed=40, pin=True)
+    eng = create_engine("cuda", dev, host, io_backend="staged", staged_kernel=kernel, staging_bytes=4 << 20)
+    try:
+        rng = np.random.default_rng(41)
+        pairs = [(np.arange(k * n, (k + 1) * n, dtype=np.int64), rng.permutation(5 * n)[:n].astype(np.int64))
+                 for k in range(4)]
+        every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
+        want = _snapshot(dev)
+        for d, h in pairs:  # device pages are disjoint: each load's expectation, from the host as it is now
+            want = _expect_load(want, host, d, h, every)
+        st = eng._stager(False)  # type: ignore[attr-defined]
+        with torch.cuda.stream(st.stream):
+            torch.cuda._sleep(SLEEP_CYCLES)  # the stage stream is late: scatters queue up
+        handles = [eng.load(h, d) for d, h in pairs]
+        snaps = []
+        for handle in handles:
+            per_layer = []
+            for layer in range(layout.num_layers):
+                handle.wait_layer(layer)
+                per_layer.append([t.view(torch.uint8).clone() for t in dev.kv[layer]])
+            snaps.append(per_layer)
+        last_d, _ = pairs[-1]
+        back_h = np.arange(n, dtype=np.int64)  # host pages some loads still read: the backup waits for them
+        back = eng.backup(last_d, back_h)
+        back.wait()
+        torch.cuda.synchronize()
+        for (d, _), per_layer in zip(pairs, snaps, strict=True):
+            for layer in range(layout.num_layers):
+                for c in range(2):
+                    got = per_layer[layer][c].cpu()[torch.from_numpy(d)]
+                    assert torch.equal(got, want[layer][c][torch.from_numpy(d)]), (layer, c)
+        for layer in range(layout.num_layers):
+            for c in range(2):
+                stored = host.layer_view(layer, c)[torch.from_numpy(back_h)].view(torch.uint8)
+                assert torch.equal(stored, want[layer][c][torch.from_numpy(last_d)]), (layer, c)
     finally:
         eng.close()
 
