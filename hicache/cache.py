@@ -441,6 +441,17 @@ class HiCache:
         self.metrics.loadback_seconds.inc(time.perf_counter() - t0)
         return result
 
+    def device_headroom(self, wait_backups: bool = False) -> tuple[int, int]:
+        """(free, evictable) L1 pages now: an allocation of up to their sum can succeed.
+
+        Pages of an L1 -> L2 backup in flight stay locked until it ends. Finished backups are folded in
+        first; with ``wait_backups``, the call also waits for those still in flight (as :meth:`alloc`
+        does before it gives up), so their pages count as evictable.
+        """
+        with self._lock:
+            self._reap(wait=wait_backups)
+            return self.device_pool.allocator.free_pages, self.tree.device_pages - self.tree.locked_device_pages
+
     def alloc(self, req: Request, n_pages: int) -> np.ndarray:
         """L1 pages for ``n_pages`` new pages of this request; evicts under pressure.
 

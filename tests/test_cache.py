@@ -294,3 +294,26 @@ def test_release_frees_a_finished_prefetch_that_was_never_loaded(make_cache) -> 
     cache.release(req)
     cache.check_integrity()
     assert cache.host_pool.allocator.used_pages == 0
+
+
+def test_pages_of_backups_in_flight_count_as_headroom_once_waited_for(make_cache) -> None:
+    """Write-through pages stay locked while their L1 -> L2 backup is in flight: ``device_headroom``
+    counts them only after the backups end, and with ``wait_backups`` it waits for that."""
+    import threading
+
+    cache = make_cache(cache={"write_policy": "write_through", "l1_tokens": 32})  # 8 pages
+    gate = threading.Event()
+    cache.transfer._queue.put(gate.wait)  # hold the CPU engine's worker: backups queue behind it
+    try:
+        commit_fresh(cache, list(range(1, 17)), seed=1)  # 4 pages, backup queued
+        commit_fresh(cache, list(range(101, 117)), seed=2)
+        assert cache.device_headroom() == (0, 0)  # all 8 pages locked by backups in flight
+        threading.Timer(0.2, gate.set).start()
+        free, evictable = cache.device_headroom(wait_backups=True)
+        assert (free, evictable) == (0, 8)
+        req = cache.match(list(range(201, 217)))
+        assert len(cache.alloc(req, 4)) == 4  # evicts backed-up pages
+        cache.release(req)
+    finally:
+        gate.set()
+    cache.check_integrity()

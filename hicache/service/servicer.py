@@ -274,8 +274,9 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         entry = self.table.get(request.request_id)
         n = page_count(request.num_pages, self.max_pages)
         cache = self.cache
-        free = cache.device_pool.allocator.free_pages
-        evictable = cache.tree.device_pages - cache.tree.locked_device_pages  # at most this much can be freed
+        free, evictable = cache.device_headroom()  # at most this much can be freed
+        if n > free + evictable:  # pages of backups in flight free up once they end: wait for them
+            free, evictable = await blocking(cache.device_headroom, True)
         if n > free + evictable:  # refuse before evicting anything: a rejected call changes nothing
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"L1: need {n} pages, {free} free and at most {evictable} evictable "
