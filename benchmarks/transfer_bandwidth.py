@@ -33,6 +33,11 @@ the host submits, so the figures are device time; host submission time is report
 
 from __future__ import annotations
 
+import os
+
+# as `hicache` itself does at start (before CUDA starts): hardware queues enough for the staged path's lanes
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
 import argparse
 import json
 import math
@@ -324,7 +329,8 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
     configs += [("h2d", "kernel", {"blocks": bl}) for bl in args.blocks_sweep]
     configs += [("d2h", "kernel", {}), ("h2d", "copy_engine", {}), ("d2h", "copy_engine", {}),
                 ("d2h", "copy_engine", {"backup_streams": 1}), ("h2d", "staged", {}),
-                ("h2d", "staged", {"staging_bytes": 64 << 20}), ("d2h", "staged", {}),
+                ("h2d", "staged", {"stage_lanes": 1}), ("h2d", "staged", {"staging_bytes": 64 << 20}),
+                ("d2h", "staged", {}), ("d2h", "staged", {"stage_lanes": 1}),
                 ("h2d", "staged", {"staged_kernel": "resident"}), ("d2h", "staged", {"staged_kernel": "resident"}),
                 ("h2d", "staged", {"staged_kernel": "resident", "resident_blocks": 1})]
     return bench_compute(args, ceil, gemm_compute(), configs)
@@ -456,12 +462,14 @@ def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict
     plan: list[tuple[int, list[tuple[str, dict[str, Any]]]]] = [
         (64, [("kernel", {}), ("kernel", {"layer_signal": "events"}), ("copy_engine", {}), ("staged", {})]),
         (4, [("kernel", {}), ("staged", {"stagger_ways": 1}), ("staged", {"stagger_ways": 2}), ("staged", {}),
+             ("staged", {"stage_lanes": 1}),
              ("staged", {"ce_min_copy_bytes": 32 << 10, "stagger_ways": 1}),
              ("staged", {"ce_min_copy_bytes": 32 << 10}), ("staged", {"staged_kernel": "resident"}),
              ("staged", {"staged_kernel": "resident", "resident_blocks": 1})]),
     ]
     for kib, configs in plan:
-        rows += _overlap(args, ceil, kib << 10, configs)
+        if kib in args.overlap_pieces:
+            rows += _overlap(args, ceil, kib << 10, configs)
     return rows
 
 
@@ -527,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8, help="layers of the pools in the piece-size sweep")
     p.add_argument("--pieces", type=int, nargs="+", default=list(PIECES_KIB), help="piece sizes in KiB")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--overlap-pieces", type=int, nargs="+", default=[64, 4], help="piece sizes (KiB) of the overlap")
     p.add_argument("--gemms", type=int, default=12,
                    help="compute steps per slowdown sample (8192^3 GEMMs, or SDPA calls)")
     p.add_argument("--blocks-sweep", type=int, nargs="+", default=[4, 1, 2, 8])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -45,7 +46,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Hardware work queues for this process's CUDA streams, unless the environment already says: the staged
+# transfer path spreads its device-side copies over several streams only when there are enough of them
+# that none shares a queue with compute (hicache.transfer.cuda.WIDE_QUEUES). It must be set before CUDA
+# starts, which no subcommand does before ``main`` runs.
+CUDA_QUEUES = "32"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", CUDA_QUEUES)
     argv = list(sys.argv[1:] if argv is None else argv)
     first = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(first if first in SUBCOMMANDS else None)

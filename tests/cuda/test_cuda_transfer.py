@@ -552,6 +552,37 @@ def test_staged_loads_queued_back_to_back_while_scatters_wait(kernel: str) -> No
         eng.close()
 
 
+@pytest.mark.parametrize("lanes", [1, 3, 8])
+def test_staged_loads_into_the_same_pages_land_in_order(lanes: int) -> None:
+    """Two staged loads of different host pages into the same device pages, queued back to back, the
+    first one's first scatter held up on its lane (as when a GEMM keeps the SMs) while the second's
+    would run on another: the device pages end with the second load's data. Lanes run a transfer's
+    scatters side by side, never one transfer's past the other's."""
+    layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces: two groups of 8 layers, one chunk each
+    n = 8
+    dev, host = _pools(layout, 4 * n, 4 * n, "page_first", seed=50, pin=True)
+    eng = create_engine("cuda", dev, host, io_backend="staged", staging_bytes=4 << 20, stage_lanes=lanes)
+    try:
+        d = np.random.default_rng(51).permutation(4 * n)[:n].astype(np.int64)
+        h1, h2 = np.arange(n, dtype=np.int64), np.arange(2 * n, 3 * n, dtype=np.int64)
+        every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
+        want = _expect_load(_snapshot(dev), host, d, h2, every)
+        st = eng._stager(False)  # type: ignore[attr-defined]
+        assert len(st.lanes) == min(lanes, st.n_slots)
+        with torch.cuda.stream(st.lanes[0]):
+            torch.cuda._sleep(SLEEP_CYCLES)  # slot 0's lane: the first load's layers 0-7 scatter late
+        first = eng.load(h1, d)
+        second = eng.load(h2, d)
+        second.wait()
+        first.wait()
+        torch.cuda.synchronize()
+        for layer in range(layout.num_layers):
+            for c in range(2):
+                assert torch.equal(dev.kv[layer][c].view(torch.uint8).cpu(), want[layer][c]), (layer, c)
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("wrap", [False, True])
 def test_resident_staged_transfers_back_to_back(wrap: bool) -> None:
     """Loads and backups queued back to back on the resident staged path, with slots reused within and

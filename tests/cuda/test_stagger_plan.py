@@ -113,17 +113,18 @@ def test_staggered_load_reproduces_host_pieces_layer_by_layer(L: int, C: int, pi
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(4, 1 << 30), st.integers(1, 1 << 26), st.booleans())
-def test_staging_slots_stay_within_the_budget(staging: int, page: int, to_host: bool) -> None:
+@given(st.integers(4, 1 << 30), st.integers(1, 1 << 26), st.booleans(), st.integers(4, 64))
+def test_staging_slots_stay_within_the_budget(staging: int, page: int, to_host: bool, backup_slots: int) -> None:
     from hicache.transfer.cuda import BACKUP_SLOT_BYTES, LOAD_SLOT_BYTES, STAGE_SLOTS, staging_slots
 
-    n, slot = staging_slots(staging, page, to_host)
+    backup_slots = min(backup_slots, staging)
+    n, slot = staging_slots(staging, page, to_host, backup_slots)
     assert n >= STAGE_SLOTS and slot >= 1
     assert n * slot <= staging
     cap = BACKUP_SLOT_BYTES if to_host else LOAD_SLOT_BYTES
     assert slot <= max(cap, page)
     if to_host:
-        assert n == STAGE_SLOTS
+        assert n == backup_slots
     elif slot == LOAD_SLOT_BYTES:
         assert staging - n * slot < slot  # the budget buys as many slots as it holds
 
@@ -145,3 +146,17 @@ def test_first_layer_waits_for_every_parts_first_group(g: int, ways: int) -> Non
     before = s.units[: s.ready[0] + 1]
     assert sorted(u.way for u in before) == list(range(ways))
     assert sum(u.n_layers for u in before) / ways == g * (ways + 1) / (2 * ways)
+
+
+@pytest.mark.parametrize(("queues", "lanes"), [(None, 1), ("8", 1), ("31", 1), ("32", 8), ("64", 8), ("many", 1)])
+def test_lanes_only_where_hardware_queues_suffice(queues: str | None, lanes: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several lanes only where no lane need share a hardware queue with compute: with the CUDA default
+    (8 queues) every stream past the eighth shares one, and compute would wait behind a whole load."""
+    from hicache.transfer.cuda import STAGE_LANES, default_stage_lanes
+
+    if queues is None:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", queues)
+    assert default_stage_lanes() == (STAGE_LANES if lanes > 1 else 1)

@@ -31,3 +31,21 @@ def test_bad_values_are_config_errors(tmp_path: Path) -> None:
     args = build_parser("serve").parse_args(["serve", "--request-ttl-s", "0"])
     with pytest.raises(ConfigError, match="request-ttl-s"):
         run(args)
+
+
+@pytest.mark.parametrize("preset", [None, "1"])
+def test_cli_widens_cuda_hardware_queues_unless_set(preset: str | None, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``hicache`` asks for 32 hardware queues before CUDA starts (the staged path's lanes need them),
+    and leaves a value the environment already gives alone."""
+    from hicache.cli import main
+
+    if preset is None:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", preset)
+    assert main([]) == 0
+    assert "serve" in capsys.readouterr().out
+    import os
+
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == (preset or "32")
