@@ -31,6 +31,11 @@ Ratios are against the in-run ``nocache`` baseline. Writes JSON (``--json``) and
 
 from __future__ import annotations
 
+import os
+
+# as `hicache` itself does at start (before CUDA starts): hardware queues enough for the staged path's lanes
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
 import argparse
 import atexit
 import gc
