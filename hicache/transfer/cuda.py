@@ -376,7 +376,7 @@ class CudaTransferEngine(TransferEngine):
             raise ValueError(f"stage_lanes: must be >= 1, got {stage_lanes}")
         self.stage_lanes = stage_lanes
         if backup_slots is None:
-            backup_slots = min(WIDE_BACKUP_SLOTS if stage_lanes > 1 else STAGE_SLOTS, max(STAGE_SLOTS, staging_bytes))
+            backup_slots = min(WIDE_BACKUP_SLOTS if stage_lanes > 1 else STAGE_SLOTS, staging_bytes)
         if backup_slots < STAGE_SLOTS or staging_bytes < backup_slots:
             raise ValueError(f"backup_slots: must be >= {STAGE_SLOTS} and <= staging_bytes, got {backup_slots}")
         self.backup_slots = backup_slots
