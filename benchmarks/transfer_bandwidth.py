@@ -330,7 +330,7 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
     configs += [("d2h", "kernel", {}), ("h2d", "copy_engine", {}), ("d2h", "copy_engine", {}),
                 ("d2h", "copy_engine", {"backup_streams": 1}), ("h2d", "staged", {}),
                 ("h2d", "staged", {"stage_lanes": 1}), ("h2d", "staged", {"staging_bytes": 64 << 20}),
-                ("d2h", "staged", {}), ("d2h", "staged", {"stage_lanes": 1}),
+                ("d2h", "staged", {}), ("d2h", "staged", {"backup_streams": 1}), ("d2h", "staged", {"stage_lanes": 1}),
                 ("h2d", "staged", {"staged_kernel": "resident"}), ("d2h", "staged", {"staged_kernel": "resident"}),
                 ("h2d", "staged", {"staged_kernel": "resident", "resident_blocks": 1})]
     return bench_compute(args, ceil, gemm_compute(), configs)
@@ -341,6 +341,7 @@ def bench_sdpa(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
     configs: list[tuple[str, str, dict[str, Any]]] = [
         (d, b, {}) for b in ("pinned", "kernel", "copy_engine", "staged") for d in ("h2d", "d2h")]
     configs.insert(6, ("d2h", "copy_engine", {"backup_streams": 1}))
+    configs.append(("d2h", "staged", {"backup_streams": 1}))
     return bench_compute(args, ceil, sdpa_compute(), configs)
 
 
@@ -442,6 +443,8 @@ def bench_bidir(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[s
         s = Setup(layout_for_piece(kib << 10, args.layers), args.total_mib << 20, seed=7 + kib, spare=3)
         L = s.layout.num_layers
         runs: list[tuple[str, dict[str, Any]]] = [(b, {}) for b in ("kernel", "copy_engine", "staged", "auto")]
+        if kib < 64:
+            runs.insert(3, ("staged", {"backup_streams": 1}))
         if kib >= 64:
             runs.insert(2, ("copy_engine", {"backup_streams": 1}))
         for backend, kw in runs:

@@ -61,8 +61,10 @@ I/O backends (``io_backend``):
   compute that holds every SM each landed slot's kernel is already queued when SMs free up; the stage
   stream orders transfers (a load joins its lanes there, where its per-layer events are recorded).
   Lanes need hardware queues of their own (:data:`STAGE_LANES`): by default there are 8 lanes where
-  ``CUDA_DEVICE_MAX_CONNECTIONS`` is at least 32, else one, and backups with lanes get
-  ``WIDE_BACKUP_SLOTS`` slots (``backup_slots``) to cover a long compute kernel's worth of DMA.
+  ``CUDA_DEVICE_MAX_CONNECTIONS`` is at least 32, else one. Backups gather on at most
+  ``BACKUP_LANES`` (4) of them, get ``WIDE_BACKUP_SLOTS`` slots with lanes (``backup_slots``) to cover
+  a long compute kernel's worth of DMA, and spread their chunks' DMAs over the ``backup_streams``
+  streams, as copy-engine backups do.
   See :mod:`hicache.transfer.staged`. ``staged_kernel`` picks how the device-side copies run:
   ``per_chunk`` (default) launches one short kernel per staging chunk; each launch must win SMs from
   running compute. ``resident`` launches one kernel per transfer that stays on ``resident_blocks`` SMs
@@ -136,13 +138,17 @@ STAGE_SLOTS = 4  # fewest staging slots per direction: DMA keeps going while a s
 # time waiting for slots (H200 per-chunk timeline, staged 4 KiB loads beside a bf16 8192^3 GEMM). With a
 # lane per slot every landed slot's scatter is already queued when SMs free up. But every lane holds
 # waits on DMA far ahead, and streams share the device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS,
-# 8 by default): a compute stream sharing one with a lane waits behind the whole load (H200, 32-layer
+# 8 by default): with too few, compute waits behind the transfers (H200, 32-layer
 # overlap with 8 lanes: 1.5-2.0x of max(load, compute), against 1.06-1.17x on one; 24 GEMMs beside
 # staged loads ended at 75 ms instead of 34). So by default (``stage_lanes=None``) the lanes are used
 # only where CUDA_DEVICE_MAX_CONNECTIONS is at least WIDE_QUEUES (``hicache`` sets 32 at start, before
 # CUDA starts), else one stream does all.
 STAGE_LANES = 8
 WIDE_QUEUES = 32
+# Backups gather on at most this many of those lanes: more gathers at once load HBM while the DMA reads
+# it (H200 per-chunk timeline, staged 4 KiB backups, 16 slots: alone 48.9 GB/s on 8 lanes, 49.5 on 4,
+# 50.5 on 2; beside bf16 8192^3 GEMMs 46.8, 47.5 and 44.7).
+BACKUP_LANES = 4
 # Backups with lanes: slots to cover a GEMM kernel's length of DMA (~1.4 ms, ~75 MB), so the gathers of a
 # few slots at once, when SMs free up, keep the link busy. Without lanes more slots gain nothing (H200,
 # staged 4 KiB backups beside bf16 8192^3 GEMMs: 0.98-0.99x the rate of 4 slots with 8 or 16).
@@ -335,6 +341,43 @@ class _Stager:
         self.stream.synchronize()
         for lane in self.lanes:
             lane.synchronize()
+
+
+class _DmaStreams:
+    """A staged backup's device-to-host DMAs spread over ``main`` and ``lanes``: chunk ``k`` goes on
+    stream ``k % (1 + len(lanes))``.
+
+    Device-to-host copies of a few tens of KiB each wait longer to start while compute loads HBM; on
+    parallel streams those waits overlap (as :meth:`CudaTransferEngine._run_fanned` does for the copy
+    engine path). Ordering: a lane first waits for everything queued on ``main`` before the transfer (so
+    an earlier backup's writes to the same host pages come first), and :meth:`join` makes ``main`` wait
+    for every lane used, so later work on ``main`` follows the whole transfer.
+    """
+
+    def __init__(self, main: torch.cuda.Stream, lanes: list[torch.cuda.Stream]) -> None:
+        self.main = main
+        self.all = [main, *lanes]
+        self._start: torch.cuda.Event | None = None
+        if lanes:  # recorded before the transfer's first DMA, which goes on main
+            self._start = torch.cuda.Event()
+            self._start.record(main)
+        self._used: set[int] = set()
+
+    def stream(self, k: int) -> torch.cuda.Stream:
+        """The stream for the transfer's ``k``-th chunk (made to wait for the transfer's start on first use)."""
+        i = k % len(self.all)
+        if i and i not in self._used:
+            assert self._start is not None
+            self.all[i].wait_event(self._start)
+            self._used.add(i)
+        return self.all[i]
+
+    def join(self) -> None:
+        """Make ``main`` wait for every lane this transfer used."""
+        for i in sorted(self._used):
+            end = torch.cuda.Event()
+            end.record(self.all[i])
+            self.main.wait_event(end)
 
 
 @register_engine("cuda")
@@ -670,8 +713,9 @@ class CudaTransferEngine(TransferEngine):
         if st is None:
             n_slots, slot = self._slots(to_host)
             max_pages = slot // (self.layout.kv_count * self.layout.bytes_per_layer_piece)
+            lanes = min(self.stage_lanes, BACKUP_LANES) if to_host else self.stage_lanes
             st = self._stagers[to_host] = _Stager(self.device, n_slots, slot, max_pages, self.layout.num_layers,
-                                                  self.stage_lanes)
+                                                  lanes)
         return st
 
     def _staged(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream,
@@ -704,8 +748,9 @@ class CudaTransferEngine(TransferEngine):
         if not to_host:
             return self._staged_load(host_idx, stream, st, idx.data_ptr()), (idx_host, idx), None
         per_group = group_layers(L, C, piece, L * C * piece, st.slot_bytes)  # backups: whole pages
-        sh = stream.cuda_stream
+        dma = self._dma_streams(stream)
         st.begin()
+        k = 0
         for l0 in range(0, L, per_group):
             ng = min(per_group, L - l0)
             ramp_up = STAGE_RAMP if l0 == 0 else 0
@@ -721,14 +766,21 @@ class CudaTransferEngine(TransferEngine):
                                                 ch.i1 - ch.i0, l0 * C, ng * C, True, base)
                 done = torch.cuda.Event()
                 done.record(lane)
-                stream.wait_event(done)
-                self._rt.run(plan, sh)
+                out = dma.stream(k)
+                k += 1
+                out.wait_event(done)
+                self._rt.run(plan, out.cuda_stream)
                 freed = torch.cuda.Event()
-                freed.record(stream)
+                freed.record(out)
                 st.free[s] = freed
+        dma.join()
         final = torch.cuda.Event()
         final.record(stream)
         return [final] * L, (idx_host, idx), None
+
+    def _dma_streams(self, stream: torch.cuda.Stream) -> _DmaStreams:
+        """The streams a staged backup's chunk DMAs go on in turn: ``stream`` and the backup lanes."""
+        return _DmaStreams(stream, self._backup_lanes)
 
     def _staged_load(self, host_idx: np.ndarray, stream: torch.cuda.Stream, st: _Stager,
                      idx_ptr: int) -> list[torch.cuda.Event]:

@@ -583,6 +583,45 @@ def test_staged_loads_into_the_same_pages_land_in_order(lanes: int) -> None:
         eng.close()
 
 
+@pytest.mark.parametrize("streams", [1, 2, 4])
+def test_staged_backups_to_the_same_host_pages_land_in_order(streams: int) -> None:
+    """Two staged backups of different device pages into the same host pages, queued back to back, their
+    chunks' DMAs spread over ``backup_streams`` streams with different boundaries (the second has one
+    more page, first in host order), the first one's second chunk held up on its stream: the host pages
+    end with the second backup's data. Parallel DMA streams never let one backup's writes pass the
+    other's."""
+    layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces, 128 KiB pages
+    n = 8
+    dev, host = _pools(layout, 4 * n, 4 * n, "page_first", seed=52, pin=True)
+    # 16 slots of 256 KiB (2 pages), gathers on 4 lanes, so no slot or held stream is shared by the two
+    # backups' chunks: the first backup goes in chunks of pages 1 | 2 | 3 | 4 | 5-6 | 7-8, the second
+    # 0 | 1 | 2 | 3 | 4-5 | 6-7 | 8, chunk k's DMA on stream k % streams
+    eng = create_engine("cuda", dev, host, io_backend="staged", staging_bytes=4 << 20, stage_lanes=8,
+                        backup_slots=16, backup_streams=streams)
+    try:
+        rng = np.random.default_rng(53)
+        perm = rng.permutation(4 * n).astype(np.int64)
+        d1, d2 = perm[:n], perm[n:2 * n + 1]
+        h1 = np.arange(1, n + 1, dtype=np.int64)
+        h2 = np.arange(0, n + 1, dtype=np.int64)  # page 0 shifts every chunk boundary by one page
+        every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
+        hb = host.buffer.view(torch.uint8).clone()
+        want = _expect_backup(hb, "page_first", _snapshot(dev), d2, h2, every)
+        held = eng._dma_streams(eng.backup_stream).all[1 % streams]  # type: ignore[attr-defined]
+        with torch.cuda.stream(held):
+            torch.cuda._sleep(SLEEP_CYCLES)  # the first backup's chunk 1 (host page 2) is written late
+        st = eng._stager(True)  # type: ignore[attr-defined]
+        assert (st.n_slots, st.slot_bytes, len(st.lanes)) == (16, 256 << 10, 4)
+        first = eng.backup(d1, h1)
+        second = eng.backup(d2, h2)
+        second.wait()
+        first.wait()
+        torch.cuda.synchronize()
+        assert torch.equal(host.buffer.view(torch.uint8), want)
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("wrap", [False, True])
 def test_resident_staged_transfers_back_to_back(wrap: bool) -> None:
     """Loads and backups queued back to back on the resident staged path, with slots reused within and
