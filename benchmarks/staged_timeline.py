@@ -14,6 +14,10 @@ idle gap before the GEMMs start:
   compute stream held up behind transfer work (streams sharing one of the device's hardware queues, of
   which there are ``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by default) shows there, and not in the GEMMs' own
   events, which start late with them;
+- when the GEMMs started: they are queued by the same host thread right after the transfers, so a
+  host held inside a submission call (the driver blocks a call when too much work is already queued)
+  makes them start late. The longest host time of one call of each kind (DMA batch, kernel launch,
+  event record, stream wait) is recorded, and printed when that happens;
 - each figure for every engine variant of ``--variants`` (keyword options of the CUDA engine, e.g.
   ``stage_lanes=1``: the per-chunk copies on the single stage stream, the default baseline; ``default``:
   the engine's defaults), with the burst's rate as a ratio to the first variant's.
@@ -22,7 +26,8 @@ idle gap before the GEMMs start:
                                          [--json out/staged_timeline.json]
 
 Needs a CUDA GPU and CuPy. The event hooks wrap the engine's DMA runner and kernel launcher; they add
-two event records per chunk on the streams that do the work.
+two event records per chunk on the streams that do the work. Every event record and stream wait in the
+process is timed on the host while a variant runs.
 """
 
 from __future__ import annotations
@@ -56,25 +61,39 @@ class Hooks:
         assert eng._rt is not None
         self.dma: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.kern: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.host_ms: dict[str, float] = {}  # longest host time of one call, by kind
         rt, kern = eng._rt, eng.stage_kernel
         run, launch = rt.run, kern.launch_staged
 
-        def wrap(fn: Any, into: list[tuple[torch.cuda.Event, torch.cuda.Event]]) -> Any:
+        def timed(kind: str, fn: Any, *a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            dt = 1e3 * (time.perf_counter() - t0)
+            self.host_ms[kind] = max(self.host_ms.get(kind, 0.0), dt)
+            return out
+
+        def wrap(fn: Any, into: list[tuple[torch.cuda.Event, torch.cuda.Event]], kind: str) -> Any:
             def hooked(stream_handle: int, *a: Any, **kw: Any) -> Any:
                 s = torch.cuda.ExternalStream(stream_handle)
                 e0, e1 = ev(), ev()
-                e0.record(s)
-                out = fn(stream_handle, *a, **kw)
-                e1.record(s)
+                record(e0, s)
+                out = timed(kind, fn, stream_handle, *a, **kw)
+                record(e1, s)
                 into.append((e0, e1))
                 return out
             return hooked
 
+        # the engine's own stream waits and event records, timed on the host
+        record, wait = torch.cuda.Event.record, torch.cuda.Stream.wait_event
+        torch.cuda.Event.record = lambda e, stream=None: timed("event record", record, e, stream)  # type: ignore[method-assign]
+        torch.cuda.Stream.wait_event = lambda s, e: timed("stream wait", wait, s, e)  # type: ignore[method-assign]
+        self._classes = [(torch.cuda.Event, "record", record), (torch.cuda.Stream, "wait_event", wait)]
+
         def run_hooked(plan: Any, stream_handle: int) -> Any:
-            return wrap(lambda h, p: run(p, h), self.dma)(stream_handle, plan)
+            return wrap(lambda h, p: run(p, h), self.dma, "DMA batch")(stream_handle, plan)
 
         rt.run = run_hooked  # type: ignore[method-assign]
-        kern.launch_staged = wrap(launch, self.kern)  # type: ignore[method-assign]
+        kern.launch_staged = wrap(launch, self.kern, "kernel launch")  # type: ignore[method-assign]
         self._restore = [(rt, "run"), (kern, "launch_staged")]
 
     def restore(self) -> None:
@@ -82,10 +101,13 @@ class Hooks:
         for obj, name in self._restore:
             if name in vars(obj):
                 delattr(obj, name)
+        for cls, name, fn in self._classes:
+            setattr(cls, name, fn)
 
     def clear(self) -> None:
         self.dma.clear()
         self.kern.clear()
+        self.host_ms = {}
 
 
 EventPairs = list[tuple[torch.cuda.Event, torch.cuda.Event]]
@@ -140,7 +162,8 @@ def summarize(hooks: Hooks, origin: torch.cuda.Event, nbytes: int,
             "dma_end_ms": dma[-1][1],
             "compute_ms": compute[0].elapsed_time(compute[1]) if compute else 0.0,
             "compute_start_ms": origin.elapsed_time(compute[0]) if compute else 0.0,
-            "compute_end_ms": origin.elapsed_time(compute[1]) if compute else 0.0}
+            "compute_end_ms": origin.elapsed_time(compute[1]) if compute else 0.0,
+            "longest_host_call_ms": dict(hooks.host_ms)}
 
 
 def parse_variant(text: str) -> dict[str, int]:
@@ -190,7 +213,8 @@ def run_one(args: argparse.Namespace, s: Setup, variant: dict[str, int], gemm: G
     return {"variant": variant, "alone_rate_gbps": median([r["rate_gbps"] for r in alone]),
             "beside_rate_gbps": median([r["rate_gbps"] for r in beside]), "median_run": pick,
             "alone_span_ms": alone_span, "compute_end_ms": median([r["compute_end_ms"] for r in beside]),
-            "makespan_ms": makespan, "runs": beside}
+            "makespan_ms": makespan, "compute_start_ms": median([r["compute_start_ms"] for r in beside]),
+            "host_submit_ms": median([r["host_submit_ms"] for r in beside]), "runs": beside}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,6 +261,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['compute_end_ms']:.1f} ms, everything at {r['makespan_ms']:.1f} = "
               f"{r['makespan_ms'] / max(r['alone_span_ms'], t_gemm):.2f}x max(transfers alone "
               f"{r['alone_span_ms']:.1f}, GEMMs alone {t_gemm:.1f})", flush=True)
+        if r["compute_start_ms"] > 0.5:
+            calls = mr["longest_host_call_ms"]
+            worst = max(calls, key=calls.get) if calls else "?"
+            print(f"  the GEMMs started {r['compute_start_ms']:.1f} ms late: the host was held "
+                  f"{r['host_submit_ms']:.0f} ms submitting (gap {args.gap_ms:.0f} ms), longest single call "
+                  f"{calls.get(worst, 0.0):.1f} ms ({worst})", flush=True)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "gemm_ms": t_gemm, "transfers": m, "rows": rows}, indent=1))
