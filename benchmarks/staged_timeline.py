@@ -73,14 +73,18 @@ class Hooks:
             return out
 
         def wrap(fn: Any, into: list[tuple[torch.cuda.Event, torch.cuda.Event]], kind: str) -> Any:
-            def hooked(stream_handle: int, *a: Any, **kw: Any) -> Any:
+            def call(stream_handle: int, *a: Any, **kw: Any) -> Any:
                 s = torch.cuda.ExternalStream(stream_handle)
                 e0, e1 = ev(), ev()
                 record(e0, s)
-                out = timed(kind, fn, stream_handle, *a, **kw)
+                out = fn(stream_handle, *a, **kw)
                 record(e1, s)
                 into.append((e0, e1))
                 return out
+
+            def hooked(stream_handle: int, *a: Any, **kw: Any) -> Any:
+                # timed with its two event records: a call blocked on a full queue may be either
+                return timed(kind, call, stream_handle, *a, **kw)
             return hooked
 
         # the engine's own stream waits and event records, timed on the host
