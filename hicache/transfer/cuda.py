@@ -64,7 +64,9 @@ I/O backends (``io_backend``):
   ``CUDA_DEVICE_MAX_CONNECTIONS`` is at least 32, else one. Backups gather on at most
   ``BACKUP_LANES`` (4) of them, get ``WIDE_BACKUP_SLOTS`` slots with lanes (``backup_slots``) to cover
   a long compute kernel's worth of DMA, and spread their chunks' DMAs over the ``backup_streams``
-  streams, as copy-engine backups do.
+  streams, as copy-engine backups do; a load's chunk DMAs go over ``load_streams`` streams (default 1).
+  Each stream's queue on the device holds only so many copies before the call that adds one waits for
+  the device to drain it: spreading raises how much a transfer can queue without blocking the host.
   See :mod:`hicache.transfer.staged`. ``staged_kernel`` picks how the device-side copies run:
   ``per_chunk`` (default) launches one short kernel per staging chunk; each launch must win SMs from
   running compute. ``resident`` launches one kernel per transfer that stays on ``resident_blocks`` SMs
@@ -344,14 +346,16 @@ class _Stager:
 
 
 class _DmaStreams:
-    """A staged backup's device-to-host DMAs spread over ``main`` and ``lanes``: chunk ``k`` goes on
-    stream ``k % (1 + len(lanes))``.
+    """A staged transfer's chunk DMAs spread over ``main`` and ``lanes``: chunk ``k`` goes on stream
+    ``k % (1 + len(lanes))``.
 
     Device-to-host copies of a few tens of KiB each wait longer to start while compute loads HBM; on
     parallel streams those waits overlap (as :meth:`CudaTransferEngine._run_fanned` does for the copy
-    engine path). Ordering: a lane first waits for everything queued on ``main`` before the transfer (so
-    an earlier backup's writes to the same host pages come first), and :meth:`join` makes ``main`` wait
-    for every lane used, so later work on ``main`` follows the whole transfer.
+    engine path). And each stream's queue on the device holds only so many copies before the host call
+    adding one blocks until the device drains it; several streams queue more. Ordering: a lane first
+    waits for everything queued on ``main`` before the transfer (its dependencies, and an earlier
+    transfer's writes to the same pages), and :meth:`join` makes ``main`` wait for every lane used, so
+    later work on ``main`` follows the whole transfer.
     """
 
     def __init__(self, main: torch.cuda.Stream, lanes: list[torch.cuda.Stream]) -> None:
@@ -391,7 +395,7 @@ class CudaTransferEngine(TransferEngine):
                  layer_signal: str = "auto", staging_bytes: int = DEFAULT_STAGING_BYTES,
                  stagger_ways: int = 4, backup_streams: int = DEFAULT_BACKUP_STREAMS,
                  staged_kernel: str = "per_chunk", resident_blocks: int = DEFAULT_RESIDENT_BLOCKS,
-                 stage_lanes: int | None = None, backup_slots: int | None = None) -> None:
+                 stage_lanes: int | None = None, backup_slots: int | None = None, load_streams: int = 1) -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
@@ -409,6 +413,8 @@ class CudaTransferEngine(TransferEngine):
             raise ValueError(f"stagger_ways: must be >= 1, got {stagger_ways}")
         if backup_streams < 1:
             raise ValueError(f"backup_streams: must be >= 1, got {backup_streams}")
+        if load_streams < 1:
+            raise ValueError(f"load_streams: must be >= 1, got {load_streams}")
         if staged_kernel not in STAGED_KERNELS:
             raise ValueError(f"staged_kernel: must be one of {STAGED_KERNELS}, got {staged_kernel!r}")
         if resident_blocks < 1:
@@ -427,6 +433,7 @@ class CudaTransferEngine(TransferEngine):
         self.resident_blocks = resident_blocks
         self.stagger_ways = stagger_ways
         self.backup_streams = backup_streams
+        self.load_streams = load_streams
         self.io_backend: IoBackend = io_backend  # type: ignore[assignment]
         self.staging_bytes = staging_bytes
         self.ce_min_copy_bytes = ce_min_copy_bytes
@@ -496,6 +503,8 @@ class CudaTransferEngine(TransferEngine):
         self.backup_stream = torch.cuda.Stream(self.device, priority=-1)
         # copy-engine backups fan out over these too (see DEFAULT_BACKUP_STREAMS)
         self._backup_lanes = [torch.cuda.Stream(self.device, priority=-1) for _ in range(self.backup_streams - 1)]
+        # a staged load's chunk DMAs go over these too (load_streams; loads and backups never share one)
+        self._load_lanes = [torch.cuda.Stream(self.device, priority=-1) for _ in range(self.load_streams - 1)]
         self._lock = threading.Lock()
         self._inflight: list[_InFlight] = []
 
@@ -778,9 +787,10 @@ class CudaTransferEngine(TransferEngine):
         final.record(stream)
         return [final] * L, (idx_host, idx), None
 
-    def _dma_streams(self, stream: torch.cuda.Stream) -> _DmaStreams:
-        """The streams a staged backup's chunk DMAs go on in turn: ``stream`` and the backup lanes."""
-        return _DmaStreams(stream, self._backup_lanes)
+    def _dma_streams(self, stream: torch.cuda.Stream, to_host: bool = True) -> _DmaStreams:
+        """The streams a staged transfer's chunk DMAs go on in turn: ``stream`` and the backup lanes
+        (backups) or the load lanes (loads)."""
+        return _DmaStreams(stream, self._backup_lanes if to_host else self._load_lanes)
 
     def _staged_load(self, host_idx: np.ndarray, stream: torch.cuda.Stream, st: _Stager,
                      idx_ptr: int) -> list[torch.cuda.Event]:
@@ -799,8 +809,9 @@ class CudaTransferEngine(TransferEngine):
         n = len(host_idx)
         sched, bounds = self._load_schedule(n, st)
         sst = st.stream
-        sh = stream.cuda_stream
+        dma = self._dma_streams(stream, to_host=False)
         st.begin()
+        k = 0
         landed: list[torch.cuda.Event] = []
         for ui, u in enumerate(sched.units):
             lo, hi = bounds[u.way]
@@ -810,12 +821,14 @@ class CudaTransferEngine(TransferEngine):
                                  u.n_layers, st.slot_bytes, False, 0, ramp_down):
                 s, base = st.take()
                 plan = with_slot_base(ch.plan, base, False)
+                out = dma.stream(k)
+                k += 1
                 prev = st.free[s]
                 if prev is not None:
-                    stream.wait_event(prev)
-                self._rt.run(plan, sh)
+                    out.wait_event(prev)
+                self._rt.run(plan, out.cuda_stream)
                 done = torch.cuda.Event()
-                done.record(stream)
+                done.record(out)
                 lane = st.lane(s)
                 lane.wait_event(done)
                 self.stage_kernel.launch_staged(lane.cuda_stream, idx_ptr + 8 * (lo + ch.i0), st.pos.data_ptr(),
@@ -829,6 +842,7 @@ class CudaTransferEngine(TransferEngine):
             ev = torch.cuda.Event()
             ev.record(sst)  # this part's group is in L1
             landed.append(ev)
+        dma.join()
         stream.wait_event(landed[-1])
         final = torch.cuda.Event()
         final.record(stream)

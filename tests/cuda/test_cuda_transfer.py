@@ -584,6 +584,42 @@ def test_staged_loads_into_the_same_pages_land_in_order(lanes: int) -> None:
 
 
 @pytest.mark.parametrize("streams", [1, 2, 4])
+def test_staged_loads_over_several_dma_streams_land_in_order(streams: int) -> None:
+    """Two staged loads of different host pages into the same device pages, queued back to back, their
+    chunks' DMAs spread over ``load_streams`` streams with different boundaries (the second has one
+    more page, first in host order), the first one's second chunk held up on its stream: the device
+    pages end with the second load's data, and every layer of each load is right once it is ready."""
+    layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces: groups of 8 layers, 64 KiB runs
+    n = 40
+    dev, host = _pools(layout, 2 * n + 1, 4 * n, "page_first", seed=54, pin=True)
+    # 4 MiB of staging: load slots of 1 MiB (16 pages of a group), several chunks per group
+    eng = create_engine("cuda", dev, host, io_backend="staged", staging_bytes=4 << 20, stage_lanes=4,
+                        load_streams=streams, stagger_ways=1)
+    try:
+        d = np.random.default_rng(55).permutation(2 * n + 1).astype(np.int64)
+        d1, d2 = d[1:n + 1], d[:n + 1]
+        h1 = np.arange(2 * n, 3 * n, dtype=np.int64)
+        h2 = np.arange(0, n + 1, dtype=np.int64)  # page 0 shifts every chunk boundary by one page
+        every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
+        want = _expect_load(_expect_load(_snapshot(dev), host, d1, h1, every), host, d2, h2, every)
+        held = eng._dma_streams(eng.load_stream, to_host=False).all[1 % streams]  # type: ignore[attr-defined]
+        with torch.cuda.stream(held):
+            torch.cuda._sleep(SLEEP_CYCLES)  # the first load's chunk 1 lands late
+        first = eng.load(h1, d1)
+        second = eng.load(h2, d2)
+        second.wait()
+        first.wait()
+        torch.cuda.synchronize()
+        for layer in range(layout.num_layers):
+            for c in range(2):
+                assert torch.equal(dev.kv[layer][c].view(torch.uint8).cpu(), want[layer][c]), (layer, c)
+        h = np.random.default_rng(56).permutation(4 * n)[:n].astype(np.int64)
+        _load_checked_layer_by_layer(eng, dev, host, d1, h)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4])
 def test_staged_backups_to_the_same_host_pages_land_in_order(streams: int) -> None:
     """Two staged backups of different device pages into the same host pages, queued back to back, their
     chunks' DMAs spread over ``backup_streams`` streams with different boundaries (the second has one
