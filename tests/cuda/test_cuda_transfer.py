@@ -552,6 +552,22 @@ def test_staged_loads_queued_back_to_back_while_scatters_wait(kernel: str) -> No
         eng.close()
 
 
+def _two_loads_behind(held: torch.cuda.Stream, eng: Any, dev: DevicePool, first: tuple[np.ndarray, np.ndarray],
+                      second: tuple[np.ndarray, np.ndarray], want: list[list[torch.Tensor]]) -> None:
+    """Hold ``held`` with a sleep, queue the loads ``first`` then ``second`` (host pages, device pages),
+    wait for both, and check the device pool against ``want``."""
+    with torch.cuda.stream(held):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    a = eng.load(*first)
+    b = eng.load(*second)
+    b.wait()
+    a.wait()
+    torch.cuda.synchronize()
+    for layer in range(dev.layout.num_layers):
+        for c in range(dev.layout.kv_count):
+            assert torch.equal(dev.kv[layer][c].view(torch.uint8).cpu(), want[layer][c]), (layer, c)
+
+
 @pytest.mark.parametrize("lanes", [1, 3, 8])
 def test_staged_loads_into_the_same_pages_land_in_order(lanes: int) -> None:
     """Two staged loads of different host pages into the same device pages, queued back to back, the
@@ -569,16 +585,8 @@ def test_staged_loads_into_the_same_pages_land_in_order(lanes: int) -> None:
         want = _expect_load(_snapshot(dev), host, d, h2, every)
         st = eng._stager(False)  # type: ignore[attr-defined]
         assert len(st.lanes) == min(lanes, st.n_slots)
-        with torch.cuda.stream(st.lanes[0]):
-            torch.cuda._sleep(SLEEP_CYCLES)  # slot 0's lane: the first load's layers 0-7 scatter late
-        first = eng.load(h1, d)
-        second = eng.load(h2, d)
-        second.wait()
-        first.wait()
-        torch.cuda.synchronize()
-        for layer in range(layout.num_layers):
-            for c in range(2):
-                assert torch.equal(dev.kv[layer][c].view(torch.uint8).cpu(), want[layer][c]), (layer, c)
+        # slot 0's lane held: the first load's layers 0-7 scatter late
+        _two_loads_behind(st.lanes[0], eng, dev, (h1, d), (h2, d), want)
     finally:
         eng.close()
 
@@ -603,16 +611,7 @@ def test_staged_loads_over_several_dma_streams_land_in_order(streams: int) -> No
         every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
         want = _expect_load(_expect_load(_snapshot(dev), host, d1, h1, every), host, d2, h2, every)
         held = eng._dma_streams(eng.load_stream, to_host=False).all[1 % streams]  # type: ignore[attr-defined]
-        with torch.cuda.stream(held):
-            torch.cuda._sleep(SLEEP_CYCLES)  # the first load's chunk 1 lands late
-        first = eng.load(h1, d1)
-        second = eng.load(h2, d2)
-        second.wait()
-        first.wait()
-        torch.cuda.synchronize()
-        for layer in range(layout.num_layers):
-            for c in range(2):
-                assert torch.equal(dev.kv[layer][c].view(torch.uint8).cpu(), want[layer][c]), (layer, c)
+        _two_loads_behind(held, eng, dev, (h1, d1), (h2, d2), want)  # the first load's chunk 1 lands late
         h = np.random.default_rng(56).permutation(4 * n)[:n].astype(np.int64)
         _load_checked_layer_by_layer(eng, dev, host, d1, h)
     finally:
