@@ -138,13 +138,13 @@ STAGE_SLOTS = 4  # fewest staging slots per direction: DMA keeps going while a s
 # On one stream each scatter is launched only once the previous one ended, and beside a GEMM whose
 # kernels take every SM that is one scatter per GEMM kernel (~1.4 ms): the DMA then idled a third of the
 # time waiting for slots (H200 per-chunk timeline, staged 4 KiB loads beside a bf16 8192^3 GEMM). With a
-# lane per slot every landed slot's scatter is already queued when SMs free up. But every lane holds
-# waits on DMA far ahead, and streams share the device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS,
-# 8 by default): with too few, compute waits behind the transfers (H200, 32-layer
-# overlap with 8 lanes: 1.5-2.0x of max(load, compute), against 1.06-1.17x on one; 24 GEMMs beside
-# staged loads ended at 75 ms instead of 34). So by default (``stage_lanes=None``) the lanes are used
-# only where CUDA_DEVICE_MAX_CONNECTIONS is at least WIDE_QUEUES (``hicache`` sets 32 at start, before
-# CUDA starts), else one stream does all.
+# lane per slot every landed slot's scatter is already queued when SMs free up. But streams share the
+# device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), and with too few, compute ended
+# behind the transfers (H200, 32-layer overlap with 8 lanes: 1.5-2.0x of max(load, compute), against
+# 1.06-1.17x on one; 24 GEMMs beside staged loads ended at 75 ms instead of 34; whether the device held
+# the compute or the host was held in a submission call, those runs did not record). So by default
+# (``stage_lanes=None``) the lanes are used only where CUDA_DEVICE_MAX_CONNECTIONS is at least
+# WIDE_QUEUES (``hicache`` sets 32 at start, before CUDA starts), else one stream does all.
 STAGE_LANES = 8
 WIDE_QUEUES = 32
 # Backups gather on at most this many of those lanes: more gathers at once load HBM while the DMA reads

@@ -151,8 +151,8 @@ def test_first_layer_waits_for_every_parts_first_group(g: int, ways: int) -> Non
 @pytest.mark.parametrize(("queues", "lanes"), [(None, 1), ("8", 1), ("31", 1), ("32", 8), ("64", 8), ("many", 1)])
 def test_lanes_only_where_hardware_queues_suffice(queues: str | None, lanes: int,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Several lanes only where no lane need share a hardware queue with compute: with the CUDA default
-    (8 queues) every stream past the eighth shares one, and compute would wait behind a whole load."""
+    """Several lanes only where the device has hardware queues enough for them: with the CUDA default
+    (8 queues) every stream past the eighth shares one, and compute ended behind the transfers."""
     from hicache.transfer.cuda import STAGE_LANES, default_stage_lanes
 
     if queues is None:
