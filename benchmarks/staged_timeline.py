@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transfer_bandwidth import GB, Setup, ev, layout_for_piece, median
+from transfer_bandwidth import GB, Setup, ev, layout_for_piece, median, parse_variant
 
 from hicache.transfer.cuda import CudaTransferEngine
 
@@ -168,19 +168,6 @@ def summarize(hooks: Hooks, origin: torch.cuda.Event, nbytes: int,
             "compute_start_ms": origin.elapsed_time(compute[0]) if compute else 0.0,
             "compute_end_ms": origin.elapsed_time(compute[1]) if compute else 0.0,
             "longest_host_call_ms": dict(hooks.host_ms)}
-
-
-def parse_variant(text: str) -> dict[str, int]:
-    """``"stage_lanes=8,backup_slots=16"`` -> keyword options (integers); ``"default"`` -> none."""
-    if text == "default":
-        return {}
-    out = {}
-    for part in text.split(","):
-        key, sep, value = part.partition("=")
-        if not sep or not value.lstrip("-").isdigit():
-            raise argparse.ArgumentTypeError(f"variant {text!r}: expected key=integer[,key=integer...]")
-        out[key.strip()] = int(value)
-    return out
 
 
 def run_one(args: argparse.Namespace, s: Setup, variant: dict[str, int], gemm: Gemms, m: int) -> dict[str, Any]:

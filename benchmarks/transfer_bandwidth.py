@@ -8,7 +8,8 @@ In one run (needs a CUDA GPU and CuPy):
    random page indices: GB/s of the kernel path (``io_backend=kernel``), the copy-engine path
    (``io_backend=copy_engine``: merged runs, ``cudaMemcpyBatchAsync``), the staged path
    (``io_backend=staged``: per-page runs by DMA through a device staging slot, then a device-side
-   scatter/gather), and a per-page ``cudaMemcpyAsync`` loop issued from Python.
+   scatter/gather), and a per-page ``cudaMemcpyAsync`` loop issued from Python; with
+   ``--staged-variants``, the staged path again with other engine options (``stage_lanes=1``...).
 3. Slowdown of a bf16 8192^3 GEMM stream while loads (or backups) run next to it: one contiguous
    pinned copy (the ceiling under that load: the GEMM's own memory traffic slows DMA too), the kernel
    path at several grid sizes and the copy engine (64 KiB pieces), and the staged path (4 KiB pieces,
@@ -233,6 +234,19 @@ class PinnedCopy:
         torch.cuda.synchronize()
 
 
+def parse_variant(text: str) -> dict[str, int]:
+    """``"stage_lanes=8,backup_slots=16"`` -> keyword options (integers); ``"default"`` -> none."""
+    if text == "default":
+        return {}
+    out = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or not value.lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"variant {text!r}: expected key=integer[,key=integer...]")
+        out[key.strip()] = int(value)
+    return out
+
+
 def _load(eng: CudaTransferEngine | PinnedCopy, s: Setup) -> list[TransferHandle]:
     return [eng.load(s.h, s.d)]
 
@@ -274,11 +288,21 @@ def bench_pieces(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[
             c = ceil[direction]
             for key in ("kernel", "copy_engine", "staged", "loop"):
                 row[f"{key}_ratio"] = row[f"{key}_gbps"] / c
+            extra = ""
+            for kw in args.staged_variants:
+                eng = s.engine(io_backend="staged", **kw)
+                t, _ = time_device(partial(_load if direction == "h2d" else _backup, eng, s), L, args.reps)
+                eng.close()
+                name = ",".join(f"{k}={v}" for k, v in kw.items()) or "default"
+                gbps = s.bytes / t / GB
+                row.setdefault("staged_variants", {})[name] = {"gbps": gbps, "ratio": gbps / c}
+                extra += f"  staged {name} {gbps:5.1f} ({gbps / c:.2f})"
             rows.append(row)
             print(f"piece {kib:>5} KiB {direction}: kernel {row['kernel_gbps']:5.1f} GB/s "
                   f"({row['kernel_ratio']:.2f})  copy-engine {row['copy_engine_gbps']:5.1f} "
                   f"({row['copy_engine_ratio']:.2f})  staged {row['staged_gbps']:5.1f} ({row['staged_ratio']:.2f})  "
-                  f"per-page loop {row['loop_gbps']:5.1f} ({row['loop_ratio']:.2f})  ceiling {c:.1f}", flush=True)
+                  f"per-page loop {row['loop_gbps']:5.1f} ({row['loop_ratio']:.2f})  ceiling {c:.1f}{extra}",
+                  flush=True)
     return rows
 
 
@@ -541,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap-pieces", type=int, nargs="+", default=[64, 4], help="piece sizes (KiB) of the overlap")
     p.add_argument("--gemms", type=int, default=12,
                    help="compute steps per slowdown sample (8192^3 GEMMs, or SDPA calls)")
+    p.add_argument("--staged-variants", type=parse_variant, nargs="*", default=[],
+                   help="section pieces: more staged columns, engine options key=int[,key=int...] each")
     p.add_argument("--blocks-sweep", type=int, nargs="+", default=[4, 1, 2, 8])
     p.add_argument("--loop-cap", type=int, default=8192, help="most copies timed in the per-page loop")
     p.add_argument("--sections", nargs="+", default=["pieces", "gemm", "sdpa", "bidir", "overlap"],
