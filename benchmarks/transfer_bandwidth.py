@@ -63,6 +63,7 @@ from hicache.transfer.cuda import CudaTransferEngine
 PIECES_KIB = (4, 16, 64, 256, 1024, 2048)
 SLEEP_CYCLES = 40_000_000  # ~20 ms: covers host submission so events time the device only
 GB = 1e9
+ENGINE_OPTIONS: dict[str, int] = {}  # --options: under every engine's own options
 
 
 def ev() -> torch.cuda.Event:
@@ -173,7 +174,7 @@ class Setup:
         torch.cuda.synchronize()
 
     def engine(self, **kw: Any) -> CudaTransferEngine:
-        e = create_engine("cuda", self.dev, self.host, **kw)
+        e = create_engine("cuda", self.dev, self.host, **{**ENGINE_OPTIONS, **kw})
         assert isinstance(e, CudaTransferEngine)
         return e
 
@@ -565,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overlap-pieces", type=int, nargs="+", default=[64, 4], help="piece sizes (KiB) of the overlap")
     p.add_argument("--gemms", type=int, default=12,
                    help="compute steps per slowdown sample (8192^3 GEMMs, or SDPA calls)")
+    p.add_argument("--options", type=parse_variant, default={},
+                   help="engine options key=int[,key=int...] for every engine of the run (a row's own win)")
     p.add_argument("--staged-variants", type=parse_variant, nargs="*", default=[],
                    help="section pieces: more staged columns, engine options key=int[,key=int...] each")
     p.add_argument("--blocks-sweep", type=int, nargs="+", default=[4, 1, 2, 8])
@@ -572,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sections", nargs="+", default=["pieces", "gemm", "sdpa", "bidir", "overlap"],
                    choices=["pieces", "gemm", "sdpa", "bidir", "overlap"])
     args = p.parse_args(argv)
+    ENGINE_OPTIONS.update(args.options)
     if not torch.cuda.is_available():
         print("transfer_bandwidth: needs a CUDA GPU", file=sys.stderr)
         return 2

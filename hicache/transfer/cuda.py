@@ -693,25 +693,12 @@ class CudaTransferEngine(TransferEngine):
         """
         assert self._rt is not None
         parts = max(1, min(1 + len(self._backup_lanes), plan.n_copies // FAN_MIN_COPIES))
-        if parts == 1:
-            self._rt.run(plan, stream.cuda_stream)
-            return
-        start = torch.cuda.Event()
-        start.record(stream)
-        ends = []
+        dma = _DmaStreams(stream, self._backup_lanes[:parts - 1])
         n = plan.n_copies
-        for i in range(1, parts):
-            lane = self._backup_lanes[i - 1]
-            lane.wait_event(start)
+        for i in range(parts):
             lo, hi = i * n // parts, (i + 1) * n // parts
-            self._rt.run(CopyPlan(plan.dst[lo:hi], plan.src[lo:hi], plan.size[lo:hi]), lane.cuda_stream)
-            e = torch.cuda.Event()
-            e.record(lane)
-            ends.append(e)
-        hi = n // parts
-        self._rt.run(CopyPlan(plan.dst[:hi], plan.src[:hi], plan.size[:hi]), stream.cuda_stream)
-        for e in ends:
-            stream.wait_event(e)
+            self._rt.run(CopyPlan(plan.dst[lo:hi], plan.src[lo:hi], plan.size[lo:hi]), dma.stream(i).cuda_stream)
+        dma.join()
 
     def _slots(self, to_host: bool) -> tuple[int, int]:
         page = self.layout.num_layers * self.layout.kv_count * self.layout.bytes_per_layer_piece
