@@ -92,6 +92,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -114,6 +115,7 @@ from hicache.transfer.cuda_kernels import (
     KernelCopier,
 )
 from hicache.transfer.resident import ResidentChunk, number_chunks
+from hicache.transfer.sm_partition import SmPartition
 from hicache.transfer.staged import (
     LoadSchedule,
     group_layers,
@@ -277,11 +279,13 @@ class _Stager:
     """
 
     def __init__(self, device: torch.device, n_slots: int, slot_bytes: int, max_pages: int,
-                 num_layers: int = 0, lanes: int = 1) -> None:
+                 num_layers: int = 0, lanes: int = 1,
+                 make_stream: Callable[[], torch.cuda.Stream] | None = None) -> None:
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
-        self.stream = torch.cuda.Stream(device, priority=-1)
-        self.lanes = [torch.cuda.Stream(device, priority=-1) for _ in range(max(1, min(lanes, n_slots)))]
+        new = make_stream or (lambda: torch.cuda.Stream(device, priority=-1))
+        self.stream = new()
+        self.lanes = [new() for _ in range(max(1, min(lanes, n_slots)))]
         self._lane_start: list[torch.cuda.Event | None] = [None] * len(self.lanes)
         self.free: list[torch.cuda.Event | None] = [None] * n_slots
         self._next = 0
@@ -395,7 +399,8 @@ class CudaTransferEngine(TransferEngine):
                  layer_signal: str = "auto", staging_bytes: int = DEFAULT_STAGING_BYTES,
                  stagger_ways: int = 4, backup_streams: int = DEFAULT_BACKUP_STREAMS,
                  staged_kernel: str = "per_chunk", resident_blocks: int = DEFAULT_RESIDENT_BLOCKS,
-                 stage_lanes: int | None = None, backup_slots: int | None = None, load_streams: int = 1) -> None:
+                 stage_lanes: int | None = None, backup_slots: int | None = None, load_streams: int = 1,
+                 reserve_sms: int = 0) -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
@@ -415,6 +420,8 @@ class CudaTransferEngine(TransferEngine):
             raise ValueError(f"backup_streams: must be >= 1, got {backup_streams}")
         if load_streams < 1:
             raise ValueError(f"load_streams: must be >= 1, got {load_streams}")
+        if reserve_sms < 0:
+            raise ValueError(f"reserve_sms: must be >= 0, got {reserve_sms}")
         if staged_kernel not in STAGED_KERNELS:
             raise ValueError(f"staged_kernel: must be one of {STAGED_KERNELS}, got {staged_kernel!r}")
         if resident_blocks < 1:
@@ -434,6 +441,7 @@ class CudaTransferEngine(TransferEngine):
         self.stagger_ways = stagger_ways
         self.backup_streams = backup_streams
         self.load_streams = load_streams
+        self.reserve_sms = reserve_sms
         self.io_backend: IoBackend = io_backend  # type: ignore[assignment]
         self.staging_bytes = staging_bytes
         self.ce_min_copy_bytes = ce_min_copy_bytes
@@ -457,13 +465,23 @@ class CudaTransferEngine(TransferEngine):
             self._register(buf.data_ptr(), buf.numel() * buf.element_size())
         if layer_signal not in LAYER_SIGNALS:
             raise ValueError(f"layer_signal: must be one of {LAYER_SIGNALS}, got {layer_signal!r}")
+        self.partition: SmPartition | None = None
         try:
+            if reserve_sms:
+                try:
+                    self.partition = SmPartition(self.device, reserve_sms)
+                except OSError as e:
+                    raise ValueError(f"reserve_sms: this CUDA driver has no green contexts ({e})") from e
+                except RuntimeError as e:
+                    raise ValueError(f"reserve_sms: cannot set {reserve_sms} SMs aside ({e})") from e
             self._setup(cupy, buf, io_backend, blocks, threads)
             self._setup_flags(layer_signal)
             if staged_kernel == "resident":
                 self._setup_mem_ops()
         except BaseException:
             self._unregister()
+            if self.partition is not None:
+                self.partition.close()
             raise
         self._closed = False
 
@@ -710,8 +728,9 @@ class CudaTransferEngine(TransferEngine):
             n_slots, slot = self._slots(to_host)
             max_pages = slot // (self.layout.kv_count * self.layout.bytes_per_layer_piece)
             lanes = min(self.stage_lanes, BACKUP_LANES) if to_host else self.stage_lanes
+            make = self.partition.stream if self.partition is not None else None
             st = self._stagers[to_host] = _Stager(self.device, n_slots, slot, max_pages, self.layout.num_layers,
-                                                  lanes)
+                                                  lanes, make)
         return st
 
     def _staged(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream,
@@ -959,6 +978,14 @@ class CudaTransferEngine(TransferEngine):
         self._inflight = []
         self._stagers.clear()
         self._unregister()
+        if self.partition is not None:
+            self.partition.close()
+
+    @property
+    def compute_stream(self) -> torch.cuda.Stream | None:
+        """With ``reserve_sms``, the stream to run compute on: its kernels never take the SMs set aside
+        for the staged path's kernels (see :mod:`hicache.transfer.sm_partition`). None without."""
+        return self.partition.compute_stream() if self.partition is not None else None
 
     def _unregister(self) -> None:
         if self._registered_ptr is not None:

@@ -822,3 +822,63 @@ def test_cache_round_trip_through_l2(io_backend: str) -> None:
         cache.check_integrity([])
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("kernel", ["per_chunk", "resident"])
+def test_staged_transfers_with_reserved_sms_beside_compute(kernel: str) -> None:
+    """With ``reserve_sms`` the staged kernels run on their own SMs and compute on ``compute_stream``:
+    a load seen layer by layer there, and a backup after a late writer there, copy the right bytes."""
+    layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces: staggered groups of 8 layers
+    dev, host = _pools(layout, 256, 256, "page_first", seed=41)
+    try:
+        eng = create_engine("cuda", dev, host, io_backend="staged", staged_kernel=kernel, reserve_sms=8)
+    except ValueError as e:
+        if "green contexts" in str(e):
+            pytest.skip(str(e))
+        raise
+    try:
+        comp = eng.compute_stream
+        assert comp is not None and eng.partition is not None and eng.partition.reserved_sms >= 8
+        with torch.cuda.stream(comp):
+            d, h = _indices(160, 256, 256, seed=42)
+            _load_checked_layer_by_layer(eng, dev, host, d, h)
+            # backup behind a late writer on the compute stream
+            d, h = _indices(96, 256, 256, seed=43)
+            gen = torch.Generator().manual_seed(44)
+            new = []
+            for row in dev.kv:
+                for t in row:
+                    x = torch.empty((96, *t.shape[1:]), dtype=t.dtype)
+                    _rand_bytes(x, gen)
+                    new.append(x.cuda())
+            torch.cuda.synchronize()
+            torch.cuda._sleep(SLEEP_CYCLES)
+            dd = torch.from_numpy(d).cuda()
+            i = 0
+            for row in dev.kv:
+                for t in row:
+                    t.index_copy_(0, dd, new[i])
+                    i += 1
+            eng.backup(d, h).wait()
+        i = 0
+        for layer in range(layout.num_layers):
+            for c in range(2):
+                got = host.layer_view(layer, c)[torch.from_numpy(h)]
+                assert torch.equal(got.view(torch.uint8), new[i].cpu().view(torch.uint8)), (layer, c)
+                i += 1
+    finally:
+        eng.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        _ = eng.compute_stream
+
+
+def test_reserve_sms_rejects_bad_values() -> None:
+    dev, host = _pools(SMALL, 4, 4, "page_first", seed=45)
+    with pytest.raises(ValueError, match="reserve_sms"):
+        create_engine("cuda", dev, host, io_backend="staged", reserve_sms=-1)
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    with pytest.raises(ValueError, match="reserve_sms"):
+        create_engine("cuda", dev, host, io_backend="staged", reserve_sms=total + 8)
+    eng = create_engine("cuda", dev, host, io_backend="staged")
+    assert eng.compute_stream is None and eng.partition is None
+    eng.close()
