@@ -175,13 +175,8 @@ def run_one(args: argparse.Namespace, s: Setup, variant: dict[str, int], gemm: G
     hooks = Hooks(eng)
 
     def burst(with_gemm: bool) -> dict[str, Any]:
-        with torch.cuda.stream(eng.compute_stream or torch.cuda.current_stream()):
-            return _burst(with_gemm)
-
-    def _burst(with_gemm: bool) -> dict[str, Any]:
         # The compute stream sleeps while the host submits; the transfers wait for it (the engine orders
-        # them after work queued on the caller's stream), and the GEMMs follow the sleep at once. With
-        # reserve_sms the compute stream is the engine's, on the SMs the staged kernels leave free.
+        # them after work queued on the caller's stream), and the GEMMs follow the sleep at once.
         torch.cuda.synchronize()
         hooks.clear()
         origin = ev()

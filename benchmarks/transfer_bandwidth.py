@@ -18,15 +18,13 @@ In one run (needs a CUDA GPU and CuPy):
    ceiling and against the contiguous copy next to the same GEMM. Section ``sdpa``: the same against
    causal flash attention (``scaled_dot_product_attention``, bf16 prefill), whose many short thread
    blocks let a waiting high-priority copy kernel in between them, where the GEMM's persistent kernels
-   hold every SM. Both sections end with the staged path with 8 SMs set aside for its kernels
-   (``reserve_sms=8``): the compute then runs on the engine's ``compute_stream``, on the other SMs, and
-   its slowdown is against the same compute alone on every SM.
+   hold every SM.
 4. Load and backup at once against the bidirectional ceiling, for 4 KiB, 64 KiB and 1 MiB pieces, each
    path and ``auto`` (copy-engine backups fanned over 4 streams, and over 1).
 5. A 32-layer load overlapped with per-layer compute (GEMMs after ``wait_layer(i)``) against
    max(load alone, compute alone), for compute/load ratios of about 0.5, 1 and 2; 64 KiB pieces (every
    path) and 4 KiB pieces (kernel, and staged by groups of 8 layers staggered 1, 2 and 4 ways, and by
-   groups of 4 not staggered and staggered 4 ways; and with ``reserve_sms=8``, the GEMMs on the other SMs).
+   groups of 4 not staggered and staggered 4 ways).
 
 Transfers are timed with CUDA events on the compute stream, which is held by ``torch.cuda._sleep`` while
 the host submits, so the figures are device time; host submission time is reported beside them.
@@ -350,13 +348,6 @@ def sdpa_compute() -> Compute:
     return Compute("SDPA", run)
 
 
-# the staged path with 8 SMs set aside for its kernels, the compute on the rest (engine.compute_stream)
-RESERVED: list[tuple[str, str, dict[str, Any]]] = [
-    ("h2d", "staged", {"reserve_sms": 8}), ("d2h", "staged", {"reserve_sms": 8}),
-    ("h2d", "staged", {"reserve_sms": 8, "stage_lanes": 1}),
-    ("d2h", "staged", {"reserve_sms": 8, "stage_lanes": 1, "backup_slots": 4})]
-
-
 def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[str, Any]]:
     """Section 3 on GEMMs: the kernel path at every grid size of ``--blocks-sweep``."""
     configs: list[tuple[str, str, dict[str, Any]]] = [("h2d", "pinned", {}), ("d2h", "pinned", {})]
@@ -367,7 +358,6 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
                 ("d2h", "staged", {}), ("d2h", "staged", {"backup_streams": 1}), ("d2h", "staged", {"stage_lanes": 1}),
                 ("h2d", "staged", {"staged_kernel": "resident"}), ("d2h", "staged", {"staged_kernel": "resident"}),
                 ("h2d", "staged", {"staged_kernel": "resident", "resident_blocks": 1})]
-    configs += RESERVED
     return bench_compute(args, ceil, gemm_compute(), configs)
 
 
@@ -377,7 +367,6 @@ def bench_sdpa(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
         (d, b, {}) for b in ("pinned", "kernel", "copy_engine", "staged") for d in ("h2d", "d2h")]
     configs.insert(6, ("d2h", "copy_engine", {"backup_streams": 1}))
     configs.append(("d2h", "staged", {"backup_streams": 1}))
-    configs += RESERVED
     return bench_compute(args, ceil, sdpa_compute(), configs)
 
 
@@ -431,12 +420,9 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
             return Burst(hs, xs, xe)
 
         slow, gbps, alone_ms = [], [], []
-        # with reserve_sms the compute runs beside the transfers on the SMs left to it; alone, on every SM
-        beside = getattr(eng, "compute_stream", None) or torch.cuda.current_stream()
         for _ in range(args.reps):
             t_alone, _ = after_gap(None, gap)
-            with torch.cuda.stream(beside):
-                t_conc, burst = after_gap(many, gap)
+            t_conc, burst = after_gap(many, gap)
             assert burst is not None
             burst.end.synchronize()
             for h in burst.handles:
@@ -507,7 +493,7 @@ def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict
              ("staged", {"stage_lanes": 1}),
              ("staged", {"ce_min_copy_bytes": 32 << 10, "stagger_ways": 1}),
              ("staged", {"ce_min_copy_bytes": 32 << 10}), ("staged", {"staged_kernel": "resident"}),
-             ("staged", {"staged_kernel": "resident", "resident_blocks": 1}), ("staged", {"reserve_sms": 8})]),
+             ("staged", {"staged_kernel": "resident", "resident_blocks": 1})]),
     ]
     for kib, configs in plan:
         if kib in args.overlap_pieces:
@@ -543,16 +529,15 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
                 torch.cuda._sleep(SLEEP_CYCLES)  # same idle-then-busy start as the overlapped sample
                 comp.append(gemm_time(a, b, k * layers))
                 torch.cuda.synchronize()
-                with torch.cuda.stream(eng.compute_stream or torch.cuda.current_stream()):
-                    torch.cuda._sleep(SLEEP_CYCLES)
-                    x, y = ev(), ev()
-                    x.record()
-                    h = eng.load(s.h, s.d)
-                    for layer in range(layers):
-                        h.wait_layer(layer)
-                        for _ in range(k):
-                            torch.mm(a, b)
-                    y.record()
+                torch.cuda._sleep(SLEEP_CYCLES)
+                x, y = ev(), ev()
+                x.record()
+                h = eng.load(s.h, s.d)
+                for layer in range(layers):
+                    h.wait_layer(layer)
+                    for _ in range(k):
+                        torch.mm(a, b)
+                y.record()
                 y.synchronize()
                 over.append(x.elapsed_time(y) / 1e3)
             t_comp, t_over = median(comp), median(over)

@@ -64,7 +64,7 @@ I/O backends (``io_backend``):
   ``CUDA_DEVICE_MAX_CONNECTIONS`` is at least 32, else one. Backups gather on at most
   ``BACKUP_LANES`` (4) of them, get ``WIDE_BACKUP_SLOTS`` slots with lanes (``backup_slots``) to cover
   a long compute kernel's worth of DMA, and spread their chunks' DMAs over the ``backup_streams``
-  streams, as copy-engine backups do; a load's chunk DMAs go over ``load_streams`` streams (default 1).
+  streams, as copy-engine backups do; a load's chunk DMAs go over ``load_streams`` streams (default 2).
   Each stream's queue on the device holds only so many copies before the call that adds one waits for
   the device to drain it: spreading raises how much a transfer can queue without blocking the host.
   See :mod:`hicache.transfer.staged`. ``staged_kernel`` picks how the device-side copies run:
@@ -92,7 +92,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -115,7 +114,6 @@ from hicache.transfer.cuda_kernels import (
     KernelCopier,
 )
 from hicache.transfer.resident import ResidentChunk, number_chunks
-from hicache.transfer.sm_partition import SmPartition
 from hicache.transfer.staged import (
     LoadSchedule,
     group_layers,
@@ -185,6 +183,10 @@ BACKUP_SLOT_BYTES = 8 << 20
 # beside a bf16 GEMM, of a contiguous copy: 0.86-0.91 on one stream (mean 0.89 over five runs), 0.90-0.93
 # on two, 0.91-0.97 on four (mean 0.95); loads, whose writes to HBM are posted, gain nothing).
 DEFAULT_BACKUP_STREAMS = 4
+# A staged load's chunk DMAs alternate over this many streams: 8 staggered loads of 16 KiB pieces (4,096
+# copies each) queued behind busy compute filled one stream's queue, and the host was held 358 ms in one
+# cudaMemcpyBatchAsync call; over 2 or 4 streams it was not (H200; rates alone and beside GEMMs within 2%).
+DEFAULT_LOAD_STREAMS = 2
 FAN_MIN_COPIES = 16  # fewest copies in one part of a fanned-out backup
 STAGE_RAMP = 4  # smaller chunks at a backup's start and a load's end: 1/16, 1/8, 1/4, 1/2 of a slot
 STAGGER_MIN_PAGES = 32  # pages per part, at least, before a staged load is staggered (staged.stagger_schedule)
@@ -279,13 +281,11 @@ class _Stager:
     """
 
     def __init__(self, device: torch.device, n_slots: int, slot_bytes: int, max_pages: int,
-                 num_layers: int = 0, lanes: int = 1,
-                 make_stream: Callable[[], torch.cuda.Stream] | None = None) -> None:
+                 num_layers: int = 0, lanes: int = 1) -> None:
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
-        new = make_stream or (lambda: torch.cuda.Stream(device, priority=-1))
-        self.stream = new()
-        self.lanes = [new() for _ in range(max(1, min(lanes, n_slots)))]
+        self.stream = torch.cuda.Stream(device, priority=-1)
+        self.lanes = [torch.cuda.Stream(device, priority=-1) for _ in range(max(1, min(lanes, n_slots)))]
         self._lane_start: list[torch.cuda.Event | None] = [None] * len(self.lanes)
         self.free: list[torch.cuda.Event | None] = [None] * n_slots
         self._next = 0
@@ -399,8 +399,8 @@ class CudaTransferEngine(TransferEngine):
                  layer_signal: str = "auto", staging_bytes: int = DEFAULT_STAGING_BYTES,
                  stagger_ways: int = 4, backup_streams: int = DEFAULT_BACKUP_STREAMS,
                  staged_kernel: str = "per_chunk", resident_blocks: int = DEFAULT_RESIDENT_BLOCKS,
-                 stage_lanes: int | None = None, backup_slots: int | None = None, load_streams: int = 1,
-                 reserve_sms: int = 0) -> None:
+                 stage_lanes: int | None = None, backup_slots: int | None = None,
+                 load_streams: int = DEFAULT_LOAD_STREAMS) -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
@@ -420,8 +420,6 @@ class CudaTransferEngine(TransferEngine):
             raise ValueError(f"backup_streams: must be >= 1, got {backup_streams}")
         if load_streams < 1:
             raise ValueError(f"load_streams: must be >= 1, got {load_streams}")
-        if reserve_sms < 0:
-            raise ValueError(f"reserve_sms: must be >= 0, got {reserve_sms}")
         if staged_kernel not in STAGED_KERNELS:
             raise ValueError(f"staged_kernel: must be one of {STAGED_KERNELS}, got {staged_kernel!r}")
         if resident_blocks < 1:
@@ -441,7 +439,6 @@ class CudaTransferEngine(TransferEngine):
         self.stagger_ways = stagger_ways
         self.backup_streams = backup_streams
         self.load_streams = load_streams
-        self.reserve_sms = reserve_sms
         self.io_backend: IoBackend = io_backend  # type: ignore[assignment]
         self.staging_bytes = staging_bytes
         self.ce_min_copy_bytes = ce_min_copy_bytes
@@ -465,23 +462,13 @@ class CudaTransferEngine(TransferEngine):
             self._register(buf.data_ptr(), buf.numel() * buf.element_size())
         if layer_signal not in LAYER_SIGNALS:
             raise ValueError(f"layer_signal: must be one of {LAYER_SIGNALS}, got {layer_signal!r}")
-        self.partition: SmPartition | None = None
         try:
-            if reserve_sms:
-                try:
-                    self.partition = SmPartition(self.device, reserve_sms)
-                except OSError as e:
-                    raise ValueError(f"reserve_sms: this CUDA driver has no green contexts ({e})") from e
-                except RuntimeError as e:
-                    raise ValueError(f"reserve_sms: cannot set {reserve_sms} SMs aside ({e})") from e
             self._setup(cupy, buf, io_backend, blocks, threads)
             self._setup_flags(layer_signal)
             if staged_kernel == "resident":
                 self._setup_mem_ops()
         except BaseException:
             self._unregister()
-            if self.partition is not None:
-                self.partition.close()
             raise
         self._closed = False
 
@@ -728,9 +715,8 @@ class CudaTransferEngine(TransferEngine):
             n_slots, slot = self._slots(to_host)
             max_pages = slot // (self.layout.kv_count * self.layout.bytes_per_layer_piece)
             lanes = min(self.stage_lanes, BACKUP_LANES) if to_host else self.stage_lanes
-            make = self.partition.stream if self.partition is not None else None
             st = self._stagers[to_host] = _Stager(self.device, n_slots, slot, max_pages, self.layout.num_layers,
-                                                  lanes, make)
+                                                  lanes)
         return st
 
     def _staged(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream,
@@ -978,14 +964,6 @@ class CudaTransferEngine(TransferEngine):
         self._inflight = []
         self._stagers.clear()
         self._unregister()
-        if self.partition is not None:
-            self.partition.close()
-
-    @property
-    def compute_stream(self) -> torch.cuda.Stream | None:
-        """With ``reserve_sms``, the stream to run compute on: its kernels never take the SMs set aside
-        for the staged path's kernels (see :mod:`hicache.transfer.sm_partition`). None without."""
-        return self.partition.compute_stream() if self.partition is not None else None
 
     def _unregister(self) -> None:
         if self._registered_ptr is not None:
