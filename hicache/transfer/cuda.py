@@ -400,7 +400,7 @@ class CudaTransferEngine(TransferEngine):
                  stagger_ways: int = 4, backup_streams: int = DEFAULT_BACKUP_STREAMS,
                  staged_kernel: str = "per_chunk", resident_blocks: int = DEFAULT_RESIDENT_BLOCKS,
                  stage_lanes: int | None = None, backup_slots: int | None = None,
-                 load_streams: int = DEFAULT_LOAD_STREAMS) -> None:
+                 load_streams: int = DEFAULT_LOAD_STREAMS, stage_blocks: int = DEFAULT_STAGE_BLOCKS) -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
@@ -420,6 +420,9 @@ class CudaTransferEngine(TransferEngine):
             raise ValueError(f"backup_streams: must be >= 1, got {backup_streams}")
         if load_streams < 1:
             raise ValueError(f"load_streams: must be >= 1, got {load_streams}")
+        if stage_blocks < 1:
+            raise ValueError(f"stage_blocks: must be >= 1, got {stage_blocks}")
+        self.stage_blocks = stage_blocks
         if staged_kernel not in STAGED_KERNELS:
             raise ValueError(f"staged_kernel: must be one of {STAGED_KERNELS}, got {staged_kernel!r}")
         if resident_blocks < 1:
@@ -492,7 +495,7 @@ class CudaTransferEngine(TransferEngine):
         self.kernel = KernelCopier(self.geometry, self.device_index, blocks or DEFAULT_LOAD_BLOCKS, threads)
         self.backup_kernel = KernelCopier(self.geometry, self.device_index, blocks or DEFAULT_BACKUP_BLOCKS,
                                           threads)
-        self.stage_kernel = KernelCopier(self.geometry, self.device_index, DEFAULT_STAGE_BLOCKS, threads)
+        self.stage_kernel = KernelCopier(self.geometry, self.device_index, self.stage_blocks, threads)
         self._rt: CudaRuntime | None = None
         if io_backend != "kernel":
             self._rt = CudaRuntime.get()
