@@ -567,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gemms", type=int, default=12,
                    help="compute steps per slowdown sample (8192^3 GEMMs, or SDPA calls)")
     p.add_argument("--options", type=parse_variant, default={},
-                   help="engine options key=int[,key=int...] for every engine of the run (a row's own win)")
+                   help="engine options key=int[,key=int...] for every engine of the run (a row's own options "
+                        "take precedence)")
     p.add_argument("--staged-variants", type=parse_variant, nargs="*", default=[],
                    help="section pieces: more staged columns, engine options key=int[,key=int...] each")
     p.add_argument("--blocks-sweep", type=int, nargs="+", default=[4, 1, 2, 8])

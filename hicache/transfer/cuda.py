@@ -185,7 +185,8 @@ BACKUP_SLOT_BYTES = 8 << 20
 DEFAULT_BACKUP_STREAMS = 4
 # A staged load's chunk DMAs alternate over this many streams: 8 staggered loads of 16 KiB pieces (4,096
 # copies each) queued behind busy compute filled one stream's queue, and the host was held 358 ms in one
-# cudaMemcpyBatchAsync call; over 2 or 4 streams it was not (H200; rates alone and beside GEMMs within 2%).
+# cudaMemcpyBatchAsync call; over 2 or 4 streams it was not (H200). The cost: alone the same rate, beside
+# bf16 GEMMs 3% less at 4 KiB pieces and 2-5% less at 16 KiB than on one stream.
 DEFAULT_LOAD_STREAMS = 2
 FAN_MIN_COPIES = 16  # fewest copies in one part of a fanned-out backup
 STAGE_RAMP = 4  # smaller chunks at a backup's start and a load's end: 1/16, 1/8, 1/4, 1/2 of a slot
