@@ -48,7 +48,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 # Hardware work queues for this process's CUDA streams, unless the environment already says: the staged
 # transfer path spreads its device-side copies over several streams only when there are enough of them
-# that none shares a queue with compute (hicache.transfer.cuda.WIDE_QUEUES). It must be set before CUDA
+# that none shares a queue with compute (hicache.transfer.cuda_tuning.WIDE_QUEUES). It must be set before CUDA
 # starts, which no subcommand does before ``main`` runs.
 CUDA_QUEUES = "32"
 

@@ -60,14 +60,15 @@ I/O backends (``io_backend``):
   The per-slot kernels go on ``stage_lanes`` streams (slot ``s`` on lane ``s % lanes``), so that beside
   compute that holds every SM each landed slot's kernel is already queued when SMs free up; the stage
   stream orders transfers (a load joins its lanes there, where its per-layer events are recorded).
-  Lanes need hardware queues of their own (:data:`STAGE_LANES`): by default there are 8 lanes where
+  Lanes need hardware queues of their own (``STAGE_LANES``): by default there are 8 lanes where
   ``CUDA_DEVICE_MAX_CONNECTIONS`` is at least 32, else one. Backups gather on at most
   ``BACKUP_LANES`` (4) of them, get ``WIDE_BACKUP_SLOTS`` slots with lanes (``backup_slots``) to cover
   a long compute kernel's worth of DMA, and spread their chunks' DMAs over the ``backup_streams``
   streams, as copy-engine backups do; a load's chunk DMAs go over ``load_streams`` streams (default 2).
   Each stream's queue on the device holds only so many copies before the call that adds one waits for
   the device to drain it: spreading raises how much a transfer can queue without blocking the host.
-  See :mod:`hicache.transfer.staged`. ``staged_kernel`` picks how the device-side copies run:
+  See :mod:`hicache.transfer.staged`, and :mod:`hicache.transfer.cuda_tuning` for the defaults and what
+  they were measured to do. ``staged_kernel`` picks how the device-side copies run:
   ``per_chunk`` (default) launches one short kernel per staging chunk; each launch must win SMs from
   running compute. ``resident`` launches one kernel per transfer that stays on ``resident_blocks`` SMs
   (default 2) and follows the DMA through 32-bit flags in device memory: the copy-engine stream writes
@@ -90,7 +91,6 @@ unregisters it in :meth:`CudaTransferEngine.close`. Close the engine before ``ho
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -113,6 +113,21 @@ from hicache.transfer.cuda_kernels import (
     CopyGeometry,
     KernelCopier,
 )
+from hicache.transfer.cuda_streams import DmaStreams, Stager
+from hicache.transfer.cuda_tuning import (
+    BACKUP_LANES,
+    DEFAULT_BACKUP_STREAMS,
+    DEFAULT_LOAD_STREAMS,
+    DEFAULT_STAGING_BYTES,
+    FAN_MIN_COPIES,
+    SEQ_LIMIT,
+    STAGE_RAMP,
+    STAGE_SLOTS,
+    STAGGER_MIN_PAGES,
+    WIDE_BACKUP_SLOTS,
+    default_stage_lanes,
+    staging_slots,
+)
 from hicache.transfer.resident import ResidentChunk, number_chunks
 from hicache.transfer.staged import (
     LoadSchedule,
@@ -127,90 +142,6 @@ IoBackend = Literal["kernel", "copy_engine", "staged", "auto"]
 IO_BACKENDS = ("kernel", "copy_engine", "staged", "auto")
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
-# A staged load's device-side scatter runs only when compute frees SMs, which a GEMM's persistent kernels
-# hold until they end (about 1.4 ms for a bf16 8192^3 GEMM on an H200); meanwhile the DMA fills free
-# slots. Slots covering ~5 ms of the link keep it busy (staged 4 KiB loads beside that GEMM, four runs
-# each: 0.76-0.91 of a contiguous copy with 64 MiB, 0.79-0.99 with 256 MiB, later runs down to 0.76; alone,
-# the same rate). staged_kernel="resident" waits for SMs once per transfer instead (0.87-0.92).
-DEFAULT_STAGING_BYTES = 256 << 20
-STAGE_SLOTS = 4  # fewest staging slots per direction: DMA keeps going while a slot waits for SMs to free it
-# Streams ("lanes") for the per-chunk device-side copies of one direction; slot s uses lane s % lanes.
-# On one stream each scatter is launched only once the previous one ended, and beside a GEMM whose
-# kernels take every SM that is one scatter per GEMM kernel (~1.4 ms): the DMA then idled a third of the
-# time waiting for slots (H200 per-chunk timeline, staged 4 KiB loads beside a bf16 8192^3 GEMM). With a
-# lane per slot every landed slot's scatter is already queued when SMs free up. But streams share the
-# device's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), and with too few, compute ended
-# behind the transfers (H200, 32-layer overlap with 8 lanes: 1.5-2.0x of max(load, compute), against
-# 1.06-1.17x on one; 24 GEMMs beside staged loads ended at 75 ms instead of 34; whether the device held
-# the compute or the host was held in a submission call, those runs did not record). So by default
-# (``stage_lanes=None``) the lanes are used only where CUDA_DEVICE_MAX_CONNECTIONS is at least
-# WIDE_QUEUES (``hicache`` sets 32 at start, before CUDA starts), else one stream does all.
-STAGE_LANES = 8
-WIDE_QUEUES = 32
-# Backups gather on at most this many of those lanes: more gathers at once load HBM while the DMA reads
-# it (H200 per-chunk timeline, staged 4 KiB backups, 16 slots: alone 48.9 GB/s on 8 lanes, 49.5 on 4,
-# 50.5 on 2; beside bf16 8192^3 GEMMs 46.8, 47.5 and 44.7).
-BACKUP_LANES = 4
-# Backups with lanes: slots to cover a GEMM kernel's length of DMA (~1.4 ms, ~75 MB), so the gathers of a
-# few slots at once, when SMs free up, keep the link busy. Without lanes more slots gain nothing (H200,
-# staged 4 KiB backups beside bf16 8192^3 GEMMs: 0.98-0.99x the rate of 4 slots with 8 or 16).
-WIDE_BACKUP_SLOTS = 16
-
-
-def hardware_queues() -> int:
-    """The device's hardware work queues streams are spread over (``CUDA_DEVICE_MAX_CONNECTIONS``, read
-    from the environment: it takes effect only if set before CUDA starts in this process)."""
-    try:
-        return max(1, int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")))
-    except ValueError:
-        return 8
-
-
-def default_stage_lanes() -> int:
-    """``STAGE_LANES`` where the hardware queues are at least ``WIDE_QUEUES``, else 1."""
-    return STAGE_LANES if hardware_queues() >= WIDE_QUEUES else 1
-# A load's slots are at most this large (or one whole page, if larger), so staging_bytes beyond
-# STAGE_SLOTS of them buys more slots: a staggered load's chunks are often smaller than a slot, and each
-# takes one.
-LOAD_SLOT_BYTES = 16 << 20
-# A backup's slots are at most this large: the slot a DMA reads
-# was then written recently enough to still be in L2 (50 MB on an H200), and a device-to-host DMA reading
-# HBM while gathers load it runs well below the link (4 KiB pieces, H200: 16 MiB slots 0.92 of the link,
-# 8 MiB 0.95, 4 MiB 0.97 at twice the host submission time).
-BACKUP_SLOT_BYTES = 8 << 20
-# Copy-engine backups are split over this many streams: a device-to-host copy reads HBM, and next to
-# compute that loads HBM each copy's start waits longer; parallel streams hide that (H200, 64 KiB pieces
-# beside a bf16 GEMM, of a contiguous copy: 0.86-0.91 on one stream (mean 0.89 over five runs), 0.90-0.93
-# on two, 0.91-0.97 on four (mean 0.95); loads, whose writes to HBM are posted, gain nothing).
-DEFAULT_BACKUP_STREAMS = 4
-# A staged load's chunk DMAs alternate over this many streams: 8 staggered loads of 16 KiB pieces (4,096
-# copies each) queued behind busy compute filled one stream's queue, and the host was held 358 ms in one
-# cudaMemcpyBatchAsync call; over 2 or 4 streams it was not (H200). The cost: alone the same rate, beside
-# bf16 GEMMs 3% less at 4 KiB pieces and 2-5% less at 16 KiB than on one stream.
-DEFAULT_LOAD_STREAMS = 2
-FAN_MIN_COPIES = 16  # fewest copies in one part of a fanned-out backup
-STAGE_RAMP = 4  # smaller chunks at a backup's start and a load's end: 1/16, 1/8, 1/4, 1/2 of a slot
-STAGGER_MIN_PAGES = 32  # pages per part, at least, before a staged load is staggered (staged.stagger_schedule)
-SEQ_LIMIT = 1 << 31  # flag values stay below this; counters restart from zeroed flags when they reach it
-
-
-def staging_slots(staging_bytes: int, page_bytes: int, to_host: bool,
-                  backup_slots: int = STAGE_SLOTS) -> tuple[int, int]:
-    """(number, bytes) of one direction's staging slots.
-
-    Loads: ``staging_bytes`` split into slots of at most ``LOAD_SLOT_BYTES``, or of one whole page where
-    that is larger, and at least ``STAGE_SLOTS`` of them. Backups: ``backup_slots`` (at least
-    ``STAGE_SLOTS``) slots of at most ``BACKUP_SLOT_BYTES`` (or a whole page), small enough to stay in
-    L2. Never more than ``staging_bytes`` in all.
-    """
-    if to_host:
-        n = max(STAGE_SLOTS, backup_slots)
-        return n, min(staging_bytes // n, max(BACKUP_SLOT_BYTES, page_bytes))
-    most = staging_bytes // STAGE_SLOTS
-    slot = min(most, max(LOAD_SLOT_BYTES, page_bytes))
-    return max(STAGE_SLOTS, staging_bytes // slot), slot
-
-
 @dataclass(frozen=True)
 class LayerFlags:
     """Per-layer readiness published by a single-launch load: ``flags[layer] >= seq`` once it landed."""
@@ -269,124 +200,6 @@ class _InFlight:
     dev_pages: np.ndarray  # sorted, unique
     backup: bool
     keep: tuple[Any, ...] = ()  # buffers the device reads until ``event`` (host index arrays, by kernel)
-
-
-class _Stager:
-    """One direction's staging buffer: slots used in turn, a stage stream, a few lanes (streams) for the
-    per-chunk device-side copies, and for each slot the event after which it may be refilled.
-
-    The stage stream orders transfers: :meth:`begin` makes it wait for a transfer's dependencies and
-    fetch its indices, and the lanes start that transfer's copies only after it. A load joins every
-    chunk's lane back into the stage stream (its per-layer events are recorded there), so the next
-    transfer's copies come after all of this one's. The resident kernel runs on the stage stream.
-    """
-
-    def __init__(self, device: torch.device, n_slots: int, slot_bytes: int, max_pages: int,
-                 num_layers: int = 0, lanes: int = 1) -> None:
-        self.slot_bytes = slot_bytes
-        self.n_slots = n_slots
-        self.stream = torch.cuda.Stream(device, priority=-1)
-        self.lanes = [torch.cuda.Stream(device, priority=-1) for _ in range(max(1, min(lanes, n_slots)))]
-        self._lane_start: list[torch.cuda.Event | None] = [None] * len(self.lanes)
-        self.free: list[torch.cuda.Event | None] = [None] * n_slots
-        self._next = 0
-        # Initialised on the stage stream, which is then drained: the caller's stream may be busy, and the
-        # first transfer's kernels and DMA (which follow only its submission point there) must not read
-        # these before they are filled.
-        with torch.cuda.stream(self.stream):
-            self.buf = torch.empty(n_slots * slot_bytes + 256, dtype=torch.uint8, device=device)
-            self.pos = torch.arange(max(max_pages, 1), dtype=torch.int64, device=device)
-            # resident kernel (staged_kernel="resident"): per-slot flags and counters, per-layer flags
-            self.slot_ready = torch.zeros(n_slots, dtype=torch.int32, device=device)
-            self.slot_done = torch.zeros(n_slots, dtype=torch.int32, device=device)
-            self.counters = torch.zeros(n_slots, dtype=torch.int32, device=device)
-            self.layer_flags = torch.zeros(max(num_layers, 1), dtype=torch.int32, device=device)
-        self.stream.synchronize()
-        self.base = (self.buf.data_ptr() + 255) // 256 * 256
-        self.last = [0] * n_slots  # chunk number that last used each slot (0: never)
-        self.chunk_seq = 0
-        self.layer_seq = 0
-
-    def restart_flags(self) -> None:
-        """Zero the resident kernel's flags and numbering once all queued work is done (before the
-        numbers would pass ``SEQ_LIMIT``)."""
-        torch.cuda.synchronize(self.slot_ready.device)
-        for t in (self.slot_ready, self.slot_done, self.layer_flags):
-            t.zero_()
-        torch.cuda.synchronize(self.slot_ready.device)
-        self.last = [0] * self.n_slots
-        self.chunk_seq = 0
-        self.layer_seq = 0
-
-    def take(self) -> tuple[int, int]:
-        """The next slot to fill: (slot number, device address)."""
-        s = self._next
-        self._next = (s + 1) % self.n_slots
-        return s, self.base + s * self.slot_bytes
-
-    def begin(self) -> None:
-        """Mark the start of a transfer's lane work: everything queued on the stage stream so far (its
-        dependencies, its index fetch, an earlier load's joins) comes before the copies :meth:`lane`
-        hands out next."""
-        start = torch.cuda.Event()
-        start.record(self.stream)
-        self._lane_start = [start] * len(self.lanes)
-
-    def lane(self, slot: int) -> torch.cuda.Stream:
-        """The stream for slot ``slot``'s device-side copy, made to wait for the transfer's start on
-        first use after :meth:`begin`."""
-        k = slot % len(self.lanes)
-        lane = self.lanes[k]
-        start = self._lane_start[k]
-        if start is not None:
-            lane.wait_event(start)
-            self._lane_start[k] = None
-        return lane
-
-    def synchronize(self) -> None:
-        """Block until the stage stream and every lane are idle."""
-        self.stream.synchronize()
-        for lane in self.lanes:
-            lane.synchronize()
-
-
-class _DmaStreams:
-    """A staged transfer's chunk DMAs spread over ``main`` and ``lanes``: chunk ``k`` goes on stream
-    ``k % (1 + len(lanes))``.
-
-    Device-to-host copies of a few tens of KiB each wait longer to start while compute loads HBM; on
-    parallel streams those waits overlap (as :meth:`CudaTransferEngine._run_fanned` does for the copy
-    engine path). And each stream's queue on the device holds only so many copies before the host call
-    adding one blocks until the device drains it; several streams queue more. Ordering: a lane first
-    waits for everything queued on ``main`` before the transfer (its dependencies, and an earlier
-    transfer's writes to the same pages), and :meth:`join` makes ``main`` wait for every lane used, so
-    later work on ``main`` follows the whole transfer.
-    """
-
-    def __init__(self, main: torch.cuda.Stream, lanes: list[torch.cuda.Stream]) -> None:
-        self.main = main
-        self.all = [main, *lanes]
-        self._start: torch.cuda.Event | None = None
-        if lanes:  # recorded before the transfer's first DMA, which goes on main
-            self._start = torch.cuda.Event()
-            self._start.record(main)
-        self._used: set[int] = set()
-
-    def stream(self, k: int) -> torch.cuda.Stream:
-        """The stream for the transfer's ``k``-th chunk (made to wait for the transfer's start on first use)."""
-        i = k % len(self.all)
-        if i and i not in self._used:
-            assert self._start is not None
-            self.all[i].wait_event(self._start)
-            self._used.add(i)
-        return self.all[i]
-
-    def join(self) -> None:
-        """Make ``main`` wait for every lane this transfer used."""
-        for i in sorted(self._used):
-            end = torch.cuda.Event()
-            end.record(self.all[i])
-            self.main.wait_event(end)
 
 
 @register_engine("cuda")
@@ -500,7 +313,7 @@ class CudaTransferEngine(TransferEngine):
         self._rt: CudaRuntime | None = None
         if io_backend != "kernel":
             self._rt = CudaRuntime.get()
-        self._stagers: dict[bool, _Stager] = {}  # per direction (to_host), created on first use
+        self._stagers: dict[bool, Stager] = {}  # per direction (to_host), created on first use
         _, slot = self._slots(False)
         self.can_stage = (host_pool.host_layout == "page_first" and self._rt is not None
                           and group_layers(L, C, piece, 1, slot) > 0)
@@ -702,7 +515,7 @@ class CudaTransferEngine(TransferEngine):
         """
         assert self._rt is not None
         parts = max(1, min(1 + len(self._backup_lanes), plan.n_copies // FAN_MIN_COPIES))
-        dma = _DmaStreams(stream, self._backup_lanes[:parts - 1])
+        dma = DmaStreams(stream, self._backup_lanes[:parts - 1])
         n = plan.n_copies
         for i in range(parts):
             lo, hi = i * n // parts, (i + 1) * n // parts
@@ -713,13 +526,13 @@ class CudaTransferEngine(TransferEngine):
         page = self.layout.num_layers * self.layout.kv_count * self.layout.bytes_per_layer_piece
         return staging_slots(self.staging_bytes, page, to_host, self.backup_slots)
 
-    def _stager(self, to_host: bool) -> _Stager:
+    def _stager(self, to_host: bool) -> Stager:
         st = self._stagers.get(to_host)
         if st is None:
             n_slots, slot = self._slots(to_host)
             max_pages = slot // (self.layout.kv_count * self.layout.bytes_per_layer_piece)
             lanes = min(self.stage_lanes, BACKUP_LANES) if to_host else self.stage_lanes
-            st = self._stagers[to_host] = _Stager(self.device, n_slots, slot, max_pages, self.layout.num_layers,
+            st = self._stagers[to_host] = Stager(self.device, n_slots, slot, max_pages, self.layout.num_layers,
                                                   lanes)
         return st
 
@@ -783,12 +596,12 @@ class CudaTransferEngine(TransferEngine):
         final.record(stream)
         return [final] * L, (idx_host, idx), None
 
-    def _dma_streams(self, stream: torch.cuda.Stream, to_host: bool = True) -> _DmaStreams:
+    def _dma_streams(self, stream: torch.cuda.Stream, to_host: bool = True) -> DmaStreams:
         """The streams a staged transfer's chunk DMAs go on in turn: ``stream`` and the backup lanes
         (backups) or the load lanes (loads)."""
-        return _DmaStreams(stream, self._backup_lanes if to_host else self._load_lanes)
+        return DmaStreams(stream, self._backup_lanes if to_host else self._load_lanes)
 
-    def _staged_load(self, host_idx: np.ndarray, stream: torch.cuda.Stream, st: _Stager,
+    def _staged_load(self, host_idx: np.ndarray, stream: torch.cuda.Stream, st: Stager,
                      idx_ptr: int) -> list[torch.cuda.Event]:
         """The load half of :meth:`_staged`: groups of layers, staggered over parts of the page list
         (:func:`~hicache.transfer.staged.stagger_schedule`).
@@ -845,7 +658,7 @@ class CudaTransferEngine(TransferEngine):
         last = len(sched.units) - 1
         return [final if sched.ready[layer] == last else landed[sched.ready[layer]] for layer in range(L)]
 
-    def _load_schedule(self, n: int, st: _Stager) -> tuple[LoadSchedule, list[tuple[int, int]]]:
+    def _load_schedule(self, n: int, st: Stager) -> tuple[LoadSchedule, list[tuple[int, int]]]:
         """The staggered group schedule of a staged load of ``n`` pages, and each part's page range."""
         L, C = self.layout.num_layers, self.layout.kv_count
         per_group = group_layers(L, C, self.geometry.piece_bytes, self.ce_min_copy_bytes, st.slot_bytes)
@@ -854,7 +667,7 @@ class CudaTransferEngine(TransferEngine):
         ways = 1 if per_group >= L else max(1, min(self.stagger_ways, per_group, n // STAGGER_MIN_PAGES))
         return stagger_schedule(L, per_group, ways), way_bounds(n, ways)
 
-    def _staged_resident(self, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream, st: _Stager,
+    def _staged_resident(self, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream, st: Stager,
                          idx_ptr: int) -> tuple[list[torch.cuda.Event], tuple[Any, ...], LayerFlags | None]:
         """A staged transfer whose device-side copies run as one resident kernel (``staged_resident``).
 

@@ -115,7 +115,7 @@ def test_staggered_load_reproduces_host_pieces_layer_by_layer(L: int, C: int, pi
 @settings(max_examples=200, deadline=None)
 @given(st.integers(4, 1 << 30), st.integers(1, 1 << 26), st.booleans(), st.integers(4, 64))
 def test_staging_slots_stay_within_the_budget(staging: int, page: int, to_host: bool, backup_slots: int) -> None:
-    from hicache.transfer.cuda import BACKUP_SLOT_BYTES, LOAD_SLOT_BYTES, STAGE_SLOTS, staging_slots
+    from hicache.transfer.cuda_tuning import BACKUP_SLOT_BYTES, LOAD_SLOT_BYTES, STAGE_SLOTS, staging_slots
 
     backup_slots = min(backup_slots, staging)
     n, slot = staging_slots(staging, page, to_host, backup_slots)
@@ -130,7 +130,7 @@ def test_staging_slots_stay_within_the_budget(staging: int, page: int, to_host: 
 
 
 def test_default_staging_is_sixteen_load_slots() -> None:
-    from hicache.transfer.cuda import DEFAULT_STAGING_BYTES, staging_slots
+    from hicache.transfer.cuda_tuning import DEFAULT_STAGING_BYTES, staging_slots
 
     assert staging_slots(DEFAULT_STAGING_BYTES, 256 << 10, False) == (16, 16 << 20)
     assert staging_slots(DEFAULT_STAGING_BYTES, 256 << 10, True) == (4, 8 << 20)
@@ -153,7 +153,7 @@ def test_lanes_only_where_hardware_queues_suffice(queues: str | None, lanes: int
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Several lanes only where the device has hardware queues enough for them: with the CUDA default
     (8 queues) every stream past the eighth shares one, and compute ended behind the transfers."""
-    from hicache.transfer.cuda import STAGE_LANES, default_stage_lanes
+    from hicache.transfer.cuda_tuning import STAGE_LANES, default_stage_lanes
 
     if queues is None:
         monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
