@@ -30,7 +30,7 @@ from hicache.bench.traces import MOONCAKE_BLOCK, load_trace
 from hicache.bench.workloads import WorkloadSpec, generate
 from hicache.config import CacheConfig
 
-MOONCAKE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl"
+MOONCAKE = Path(__file__).resolve().parents[1] / "data" / "mooncake" / "synthetic_trace.jsonl"
 
 
 def lru_oracle_admission(pt: PagedTrace, capacity_pages: int) -> float:

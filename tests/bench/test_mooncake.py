@@ -13,7 +13,7 @@ from hicache.bench.run import replay_config
 from hicache.bench.targets import InProcessTarget
 from hicache.bench.traces import MOONCAKE_BLOCK, load_trace
 
-TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake" / "synthetic_trace.jsonl"
 
 
 def independent_ratio(path: Path) -> float:
@@ -35,7 +35,6 @@ def independent_ratio(path: Path) -> float:
     return hit / total
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="Mooncake trace not available")
 def test_unbounded_replay_matches_independent_count() -> None:
     reqs = load_trace(TRACE)
     assert len(reqs) == 3993
