@@ -1,8 +1,9 @@
 """The staged path's streams: a direction's staging slots with their lanes (:class:`Stager`), and the
 streams one transfer's chunk DMAs alternate over (:class:`DmaStreams`).
 
-Ordering is by CUDA events only; nothing here synchronises the host except :meth:`Stager.synchronize`
-and :meth:`Stager.restart_flags`.
+Ordering is by CUDA events only; the host waits only when a :class:`Stager` is made (its buffers are
+initialised on its stage stream, which is then drained), in :meth:`Stager.synchronize` and in
+:meth:`Stager.restart_flags`.
 """
 
 from __future__ import annotations
