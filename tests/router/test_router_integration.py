@@ -185,6 +185,13 @@ def test_index_stays_exact_when_the_node_resnapshots_a_slow_subscriber() -> None
         try:
             prompts = [tokens(500 + i, 6) for i in range(20)]  # 120 pages through a 64-page L1
             await asyncio.gather(*(serve_on(client, p, f"burst-{i}") for i, p in enumerate(prompts)))
+            # The router may have kept up with that burst. These evictions run on the node's event loop
+            # (a synchronous call from this coroutine), so all their events are queued before the
+            # subscriber's stream can take one: the 1-event queue overflows for certain.
+            cache = nodes[0].cache
+            assert cache is not None
+            freed, _ = cache.evict(l1_pages=64)
+            assert freed >= 12  # two 6-page nodes at least: two events or more
 
             async def exact() -> bool:
                 for p in prompts:
