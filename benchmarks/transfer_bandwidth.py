@@ -22,9 +22,10 @@ In one run (needs a CUDA GPU and CuPy):
 4. Load and backup at once against the bidirectional ceiling, for 4 KiB, 64 KiB and 1 MiB pieces, each
    path and ``auto`` (copy-engine backups fanned over 4 streams, and over 1).
 5. A 32-layer load overlapped with per-layer compute (GEMMs after ``wait_layer(i)``) against
-   max(load alone, compute alone), for compute/load ratios of about 0.5, 1 and 2; 64 KiB pieces (every
-   path) and 4 KiB pieces (kernel, and staged by groups of 8 layers staggered 1, 2 and 4 ways, and by
-   groups of 4 not staggered and staggered 4 ways).
+   max(load alone, compute alone), for compute/load ratios of about 0.5, 1 and 2, with when layer 0 was
+   ready (compute's earliest start); 64 KiB pieces (every path), 16 and 8 KiB (staged, staggered or not)
+   and 4 KiB pieces (kernel, and staged by groups of 8 layers staggered 1, 2 and 4 ways, and by groups of
+   4 not staggered and staggered 4 ways), each staged size also with chunk DMAs over 2 streams.
 
 Transfers are timed with CUDA events on the compute stream, which is held by ``torch.cuda._sleep`` while
 the host submits, so the figures are device time; host submission time is reported beside them.
@@ -489,8 +490,10 @@ def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict
     rows = []
     plan: list[tuple[int, list[tuple[str, dict[str, Any]]]]] = [
         (64, [("kernel", {}), ("kernel", {"layer_signal": "events"}), ("copy_engine", {}), ("staged", {})]),
+        (16, [("staged", {"stagger_ways": 1}), ("staged", {}), ("staged", {"load_streams": 2})]),
+        (8, [("staged", {"stagger_ways": 1}), ("staged", {"stagger_ways": 2}), ("staged", {})]),
         (4, [("kernel", {}), ("staged", {"stagger_ways": 1}), ("staged", {"stagger_ways": 2}), ("staged", {}),
-             ("staged", {"stage_lanes": 1}),
+             ("staged", {"stage_lanes": 1}), ("staged", {"load_streams": 2}),
              ("staged", {"ce_min_copy_bytes": 32 << 10, "stagger_ways": 1}),
              ("staged", {"ce_min_copy_bytes": 32 << 10}), ("staged", {"staged_kernel": "resident"}),
              ("staged", {"staged_kernel": "resident", "resident_blocks": 1})]),
@@ -524,6 +527,7 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
         for k in (1, 2, 4):
             comp = []
             over = []
+            first = []  # when compute could start: layer 0 ready, after the load began
             for _ in range(args.reps):
                 torch.cuda.synchronize()
                 torch.cuda._sleep(SLEEP_CYCLES)  # same idle-then-busy start as the overlapped sample
@@ -533,23 +537,29 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
                 x, y = ev(), ev()
                 x.record()
                 h = eng.load(s.h, s.d)
+                f = ev()
                 for layer in range(layers):
                     h.wait_layer(layer)
+                    if layer == 0:
+                        f.record()
                     for _ in range(k):
                         torch.mm(a, b)
                 y.record()
                 y.synchronize()
                 over.append(x.elapsed_time(y) / 1e3)
-            t_comp, t_over = median(comp), median(over)
+                first.append(x.elapsed_time(f) / 1e3)
+            t_comp, t_over, t_first = median(comp), median(over), median(first)
             ratio = t_over / max(t_load, t_comp)
             rows.append({"backend": backend, "layer_signal": signal, "layers": layers, "piece_bytes": piece,
                          "options": kw,
                          "load_ms": t_load * 1e3,
                          "compute_ms": t_comp * 1e3, "overlapped_ms": t_over * 1e3, "ratio_vs_max": ratio,
+                         "first_layer_ms": t_first * 1e3,
                          "bytes": s.bytes})
             print(f"32-layer overlap {piece >> 10:>3} KiB {backend:<11} {signal:<6} "
                   f"compute/load {t_comp / t_load:4.2f}: load {t_load * 1e3:6.2f} ms, "
-                  f"compute {t_comp * 1e3:6.2f} ms, overlapped {t_over * 1e3:6.2f} ms = {ratio:.3f} x max"
+                  f"compute {t_comp * 1e3:6.2f} ms, layer 0 at {t_first * 1e3:5.2f}, "
+                  f"overlapped {t_over * 1e3:6.2f} ms = {ratio:.3f} x max"
                   + "".join(f" {k}={v}" for k, v in kw.items() if k not in ("stagger_ways", "ce_min_copy_bytes")),
                   flush=True)
         eng.close()

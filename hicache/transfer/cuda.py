@@ -64,7 +64,7 @@ I/O backends (``io_backend``):
   ``CUDA_DEVICE_MAX_CONNECTIONS`` is at least 32, else one. Backups gather on at most
   ``BACKUP_LANES`` (4) of them, get ``WIDE_BACKUP_SLOTS`` slots with lanes (``backup_slots``) to cover
   a long compute kernel's worth of DMA, and spread their chunks' DMAs over the ``backup_streams``
-  streams, as copy-engine backups do; a load's chunk DMAs go over ``load_streams`` streams (default 2).
+  streams, as copy-engine backups do; a load's chunk DMAs go over ``load_streams`` streams (default 1).
   Each stream's queue on the device holds only so many copies before the call that adds one waits for
   the device to drain it: spreading raises how much a transfer can queue without blocking the host.
   See :mod:`hicache.transfer.staged`, and :mod:`hicache.transfer.cuda_tuning` for the defaults and what

@@ -51,6 +51,8 @@ def hardware_queues() -> int:
 def default_stage_lanes() -> int:
     """``STAGE_LANES`` where the hardware queues are at least ``WIDE_QUEUES``, else 1."""
     return STAGE_LANES if hardware_queues() >= WIDE_QUEUES else 1
+
+
 # A load's slots are at most this large (or one whole page, if larger), so staging_bytes beyond
 # STAGE_SLOTS of them buys more slots: a staggered load's chunks are often smaller than a slot, and each
 # takes one.
@@ -65,11 +67,16 @@ BACKUP_SLOT_BYTES = 8 << 20
 # beside a bf16 GEMM, of a contiguous copy: 0.86-0.91 on one stream (mean 0.89 over five runs), 0.90-0.93
 # on two, 0.91-0.97 on four (mean 0.95); loads, whose writes to HBM are posted, gain nothing).
 DEFAULT_BACKUP_STREAMS = 4
-# A staged load's chunk DMAs alternate over this many streams: 8 staggered loads of 16 KiB pieces (4,096
-# copies each) queued behind busy compute filled one stream's queue, and the host was held 358 ms in one
-# cudaMemcpyBatchAsync call; over 2 or 4 streams it was not (H200). The cost: alone the same rate, beside
-# bf16 GEMMs 3% less at 4 KiB pieces and 2-5% less at 16 KiB than on one stream.
-DEFAULT_LOAD_STREAMS = 2
+# A staged load's chunk DMAs alternate over this many streams. More than one keeps the host from blocking
+# in one case: 8 staggered loads of 16 KiB pieces (4,096 copies each) queued behind busy compute filled one
+# stream's queue, and the host was held 358 ms in one cudaMemcpyBatchAsync call; over 2 or 4 streams it was
+# not (H200). But a second stream made the first layer of a 32-layer load ready late: its DMAs started
+# only once the first stream's were mostly done, and a load's layer needs both. Staged loads of 4 KiB
+# pieces, compute about as long as the load (H200, per-layer bf16 4096^3 GEMMs on the default stream):
+# layer 0 ready at 7.7 ms on 2 streams against 2.0 on one, everything done at 19.8 ms against 15.0
+# (16 KiB pieces: 0.65 against 11.0 ms, 14.0 against 22.8 ms). The layer-wise overlap is what loads are
+# for, so one stream is the default; a caller queueing many loads far ahead of the device can raise it.
+DEFAULT_LOAD_STREAMS = 1
 FAN_MIN_COPIES = 16  # fewest copies in one part of a fanned-out backup
 STAGE_RAMP = 4  # smaller chunks at a backup's start and a load's end: 1/16, 1/8, 1/4, 1/2 of a slot
 STAGGER_MIN_PAGES = 32  # pages per part, at least, before a staged load is staggered (staged.stagger_schedule)
