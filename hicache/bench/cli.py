@@ -74,6 +74,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g = p.add_argument_group("replay and report")
     g.add_argument("--follow-timestamps", action="store_true", help="start requests at their trace times")
     g.add_argument("--speed", type=float, default=1.0, help="time scale with --follow-timestamps (10 = 10x faster)")
+    g.add_argument("--settle", action=argparse.BooleanOptionalAction, default=None,
+                   help="wait for each request's background copies (L1->L2 backups, L3 writes) before the next, "
+                   "so the hit rate does not depend on this machine's speed (default: on for an in-process "
+                   "replay back to back, off with --follow-timestamps or a grpc:// target)")
     g.add_argument("--model-layout", default="llama-3.1-8b",
                    help="KV layout for bytes and times: llama-3.1-8b | llama-3.1-70b | qwen2.5-7b | deepseek-v3 | "
                    "small | tiny")
@@ -140,6 +144,7 @@ def options(args: argparse.Namespace, console: Console | None = None) -> Any:
         prefill_rate=prefill_rate(args, console), l2_bandwidth=getattr(args, "l2_bandwidth", 50e9),
         l3_bandwidth=getattr(args, "l3_bandwidth", 2e9), curve=_fractions(getattr(args, "capacities", "")),
         follow_timestamps=getattr(args, "follow_timestamps", False), speed=getattr(args, "speed", 1.0),
+        settle=getattr(args, "settle", None),
     )
 
 

@@ -1,5 +1,11 @@
 """The replay loop: serve every request of a trace against a target, in order, optionally at the trace's
 own pace (``speed`` x real time), and keep per-request tier accounting.
+
+A request leaves work running in the background (its pages backed up to L2, written to L3). Replayed
+back to back, thousands of requests a second, the next requests come before that work is done, so
+they miss pages a serving engine -- whose requests are milliseconds to seconds apart -- would find, and
+the hit rate depends on how fast this machine is. ``settle`` waits for that work after every request,
+which makes a replay's result a function of the trace and the configuration alone.
 """
 
 from __future__ import annotations
@@ -54,9 +60,11 @@ class ReplayResult:
 
 
 def replay(requests: Sequence[TraceRequest], target: Target, progress: Callable[[int], None] | None = None,
-           follow_timestamps: bool = False, speed: float = 1.0) -> ReplayResult:
+           follow_timestamps: bool = False, speed: float = 1.0, settle: bool = False) -> ReplayResult:
     """Serve ``requests`` in order. With ``follow_timestamps`` request i starts no earlier than
-    ``timestamp_i / speed`` seconds after the first; otherwise back to back."""
+    ``timestamp_i / speed`` seconds after the first; otherwise back to back. With ``settle`` the
+    target's background work is waited for after each request (:meth:`Target.settle`; not counted in
+    ``cache_s``)."""
     if speed <= 0:
         raise ValueError(f"speed: must be > 0, got {speed}")
     n = len(requests)
@@ -71,6 +79,8 @@ def replay(requests: Sequence[TraceRequest], target: Target, progress: Callable[
         o = target.serve(req)
         cols[:, i] = (len(req.tokens), o.l1, o.l2, o.l3, o.reused)
         cache_s += o.seconds
+        if settle:
+            target.settle()
         if progress is not None:
             progress(i + 1)
     wall = time.perf_counter() - t0

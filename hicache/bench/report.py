@@ -70,7 +70,9 @@ def render(res: BenchResult, console: Console | None = None) -> None:
         c.print(ct)
     c.print(f"[bold]advice:[/bold] {advice(res.hit_rate, res.infinite)}")
     c.print(f"replay: {res.wall_s:.2f} s wall, {res.cache_s:.2f} s in cache calls "
-            f"({res.requests / max(res.wall_s, 1e-9):.0f} requests/s)")
+            f"({res.requests / max(res.wall_s, 1e-9):.0f} requests/s)"
+            + ("; background copies finished before each next request (--no-settle: back to back)"
+               if res.settled else ""))
 
 
 def write_outputs(res: BenchResult, out: Path, extra: dict[str, Any] | None = None) -> list[Path]:

@@ -74,6 +74,14 @@ class BenchOptions:
     curve: Sequence[float] = DEFAULT_CURVE
     follow_timestamps: bool = False
     speed: float = 1.0
+    settle: bool | None = None  # None: settle in-process replays that do not follow the timestamps
+
+    @property
+    def settles(self) -> bool:
+        """Whether the replay waits for background copies after each request (see ``replay``)."""
+        if self.settle is not None:
+            return self.settle
+        return not self.follow_timestamps and not self.target.startswith("grpc://")
 
     def check(self) -> None:
         if self.eviction_policy not in policy_names():
@@ -188,6 +196,7 @@ class BenchResult:
     cache_s: float
     stats: dict[str, Any]
     per_request: ReplayResult | None = None
+    settled: bool = False  # background copies waited for after each request
 
     @property
     def hit_rate(self) -> float:
@@ -270,7 +279,7 @@ def run_bench(opts: BenchOptions, wl: Workload | None = None,
             target = open_target(opts.target, cfg)
         try:
             cb = (lambda i: progress("replay", i, len(reqs))) if progress else None
-            r = replay(reqs, target, cb, opts.follow_timestamps, opts.speed)
+            r = replay(reqs, target, cb, opts.follow_timestamps, opts.speed, opts.settles)
         finally:
             target.close()
     inf = infinite(pt).hit_rate
@@ -297,5 +306,5 @@ def run_bench(opts: BenchOptions, wl: Workload | None = None,
         prefill_seconds_saved=_saved_seconds(r, bpt, opts),
         prefill_seconds_total=pt.total_prompt_tokens / opts.prefill_rate,
         optimal_same_capacity=opt_same, optimal_l1=opt_l1, infinite=inf, curve=pts,
-        wall_s=r.wall_s, cache_s=r.cache_s, stats=r.stats, per_request=r,
+        wall_s=r.wall_s, cache_s=r.cache_s, stats=r.stats, per_request=r, settled=opts.settles,
     )

@@ -53,6 +53,10 @@ class Target(abc.ABC):
     def stats(self) -> dict[str, Any]:
         return {}
 
+    def settle(self) -> None:  # noqa: B027 - optional hook
+        """Wait until the work a request left running in the background (L1 -> L2 backups, L3 writes)
+        is done; a target that cannot wait for it does nothing."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the cache / connection."""
 
@@ -105,6 +109,9 @@ class InProcessTarget(Target):
         finally:
             c.release(r)
         return Outcome(l1 * ps, l2 * ps, l3 * ps, have * ps, committed, time.perf_counter() - t0)
+
+    def settle(self) -> None:
+        self.cache.flush()
 
     def stats(self) -> dict[str, Any]:
         s = self.cache.stats()

@@ -24,8 +24,9 @@ def test_bench_writes_report_files(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["bench", *SMALL, "--workload", "rag", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "Hit rate by tier" in text and "offline optimum" in text and "advice:" in text
+    assert "background copies finished" in " ".join(text.split())  # settled: the in-process default
     res = json.loads((out / "result.json").read_text())
-    assert res["requests"] == 40
+    assert res["requests"] == 40 and res["settled"] is True
     assert 0 < res["hit_rate"] <= res["optimal_same_capacity"] + 1e-9 <= res["infinite"] + 2e-9
     assert len(res["curve"]) == 2 and res["curve"][1]["policy"] == pytest.approx(res["infinite"])
     assert (out / "requests.csv").read_text().count("\n") == 41
@@ -74,3 +75,15 @@ def test_measured_prefill_rate(capsys: pytest.CaptureFixture[str]) -> None:
     assert "measured prefill:" in out and "tiny shape" in out
     assert main(["bench", *SMALL, "--prefill-rate", "fast"]) == 2
     _one_line_error(capsys, "--prefill-rate", "'fast'")
+
+
+def test_settle_defaults_and_flag(tmp_path: Path) -> None:
+    from hicache.bench.run import BenchOptions
+
+    assert BenchOptions().settles
+    assert not BenchOptions(follow_timestamps=True).settles
+    assert not BenchOptions(target="grpc://127.0.0.1:1").settles
+    assert not BenchOptions(settle=False).settles and BenchOptions(follow_timestamps=True, settle=True).settles
+    out = tmp_path / "out"
+    assert main(["bench", *SMALL, "--workload", "rag", "--no-settle", "--json", str(out / "r.json")]) == 0
+    assert json.loads((out / "r.json").read_text())["settled"] is False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from hicache.bench.replay import replay
@@ -34,3 +36,39 @@ def test_tier_accounting_l1_then_l2() -> None:
     assert (res.hit <= res.prompt).all() and (res.reused >= res.l1).all()
     assert res.l2.sum() > 0
     assert res.hit_rate == res.rate(res.l1 + res.l2 + res.l3)
+
+
+class _Counting(InProcessTarget):
+    settled = 0
+
+    def settle(self) -> None:
+        self.settled += 1
+        super().settle()
+
+
+def test_settle_waits_after_every_request_only_when_asked() -> None:
+    reqs = _reqs()
+    with _Counting(replay_config(8, 256, 0)) as t:
+        replay(reqs, t)
+        assert t.settled == 0
+        replay(reqs, t, settle=True)
+        assert t.settled == len(reqs)
+
+
+def test_settled_replay_depends_on_the_trace_alone(tmp_path: Path) -> None:
+    """Backups to L2 and writes to L3 finish before the next request, so two replays of a trace that
+    cycles through more than L1 holds find the same pages on each tier, request by request."""
+    for n_docs, l2_tokens, tier in ((3, 320, "l2"), (6, 160, "l3")):  # the cycle fits L2; it does not
+        docs = [np.arange(64, dtype=np.uint32) + 1000 * d for d in range(n_docs)]
+        reqs = [TraceRequest(np.concatenate([docs[i % n_docs], np.array([5000 + i] * 8, np.uint32)]))
+                for i in range(6 * n_docs)]
+        runs = []
+        for k in range(2):
+            url = f"file://{tmp_path / f'{n_docs}-{k}'}"
+            with InProcessTarget(replay_config(8, 80, l2_tokens, url, write_policy="write_through")) as t:
+                runs.append(replay(reqs, t, settle=True))
+        a, b = runs
+        for col in ("l1", "l2", "l3", "reused"):
+            assert getattr(a, col).tolist() == getattr(b, col).tolist(), col
+        # every document after its first round comes back whole from that tier
+        assert getattr(a, tier)[n_docs:].tolist() == [64] * (5 * n_docs), tier
