@@ -76,8 +76,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--speed", type=float, default=1.0, help="time scale with --follow-timestamps (10 = 10x faster)")
     g.add_argument("--settle", action=argparse.BooleanOptionalAction, default=None,
                    help="wait for each request's background copies (L1->L2 backups, L3 writes) before the next, "
-                   "so the hit rate does not depend on this machine's speed (default: on for an in-process "
-                   "replay back to back, off with --follow-timestamps or a grpc:// target)")
+                   "so the hit rate does not depend on this machine's speed (default: on, off with "
+                   "--follow-timestamps; a node's Flush call does it for a grpc:// target)")
     g.add_argument("--model-layout", default="llama-3.1-8b",
                    help="KV layout for bytes and times: llama-3.1-8b | llama-3.1-70b | qwen2.5-7b | deepseek-v3 | "
                    "small | tiny")

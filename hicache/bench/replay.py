@@ -33,6 +33,7 @@ class ReplayResult:
     wall_s: float
     cache_s: float  # time spent inside the cache calls
     stats: dict[str, Any] = field(default_factory=dict)
+    settled: bool = False  # the target's background work was waited for after every request
 
     @property
     def requests(self) -> int:
@@ -64,12 +65,13 @@ def replay(requests: Sequence[TraceRequest], target: Target, progress: Callable[
     """Serve ``requests`` in order. With ``follow_timestamps`` request i starts no earlier than
     ``timestamp_i / speed`` seconds after the first; otherwise back to back. With ``settle`` the
     target's background work is waited for after each request (:meth:`Target.settle`; not counted in
-    ``cache_s``)."""
+    ``cache_s``); ``settled`` in the result says whether the target could."""
     if speed <= 0:
         raise ValueError(f"speed: must be > 0, got {speed}")
     n = len(requests)
     cols = np.zeros((5, n), dtype=np.int64)
     cache_s = 0.0
+    settled = settle
     t0 = time.perf_counter()
     for i, req in enumerate(requests):
         if follow_timestamps:
@@ -80,8 +82,8 @@ def replay(requests: Sequence[TraceRequest], target: Target, progress: Callable[
         cols[:, i] = (len(req.tokens), o.l1, o.l2, o.l3, o.reused)
         cache_s += o.seconds
         if settle:
-            target.settle()
+            settled = target.settle() and settled
         if progress is not None:
             progress(i + 1)
     wall = time.perf_counter() - t0
-    return ReplayResult(cols[0], cols[1], cols[2], cols[3], cols[4], wall, cache_s, target.stats())
+    return ReplayResult(cols[0], cols[1], cols[2], cols[3], cols[4], wall, cache_s, target.stats(), settled)

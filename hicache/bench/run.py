@@ -74,14 +74,12 @@ class BenchOptions:
     curve: Sequence[float] = DEFAULT_CURVE
     follow_timestamps: bool = False
     speed: float = 1.0
-    settle: bool | None = None  # None: settle in-process replays that do not follow the timestamps
+    settle: bool | None = None  # None: settle unless following the timestamps
 
     @property
     def settles(self) -> bool:
         """Whether the replay waits for background copies after each request (see ``replay``)."""
-        if self.settle is not None:
-            return self.settle
-        return not self.follow_timestamps and not self.target.startswith("grpc://")
+        return self.settle if self.settle is not None else not self.follow_timestamps
 
     def check(self) -> None:
         if self.eviction_policy not in policy_names():
@@ -306,5 +304,5 @@ def run_bench(opts: BenchOptions, wl: Workload | None = None,
         prefill_seconds_saved=_saved_seconds(r, bpt, opts),
         prefill_seconds_total=pt.total_prompt_tokens / opts.prefill_rate,
         optimal_same_capacity=opt_same, optimal_l1=opt_l1, infinite=inf, curve=pts,
-        wall_s=r.wall_s, cache_s=r.cache_s, stats=r.stats, per_request=r, settled=opts.settles,
+        wall_s=r.wall_s, cache_s=r.cache_s, stats=r.stats, per_request=r, settled=r.settled,
     )

@@ -53,9 +53,10 @@ class Target(abc.ABC):
     def stats(self) -> dict[str, Any]:
         return {}
 
-    def settle(self) -> None:  # noqa: B027 - optional hook
+    def settle(self) -> bool:
         """Wait until the work a request left running in the background (L1 -> L2 backups, L3 writes)
-        is done; a target that cannot wait for it does nothing."""
+        is done. False: this target cannot wait for it (and did not)."""
+        return False
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the cache / connection."""
@@ -110,8 +111,9 @@ class InProcessTarget(Target):
             c.release(r)
         return Outcome(l1 * ps, l2 * ps, l3 * ps, have * ps, committed, time.perf_counter() - t0)
 
-    def settle(self) -> None:
+    def settle(self) -> bool:
         self.cache.flush()
+        return True
 
     def stats(self) -> dict[str, Any]:
         s = self.cache.stats()
@@ -139,6 +141,7 @@ class GrpcTarget(Target):
         except ImportError as e:
             raise BenchInputError(f"--target {url}: the gRPC client (hicache.client) is not available ({e})") from None
         self._rpc_error = grpc.RpcError
+        self._unimplemented = grpc.StatusCode.UNIMPLEMENTED
         self.url = url
         self.client = HiCacheClient(url.removeprefix("grpc://"), timeout_s=timeout_s)
         try:
@@ -152,6 +155,7 @@ class GrpcTarget(Target):
         self.l1_tokens = st.l1_pages_total * self.page_size
         self.l2_tokens = st.l2_pages_total * self.page_size
         self.commit_skipped = 0
+        self._can_flush = True
 
     def serve(self, req: TraceRequest) -> Outcome:
         c = self.client
@@ -179,6 +183,17 @@ class GrpcTarget(Target):
             c.release(m.request_id)
         return Outcome(m.l1_pages * ps, m.l2_pages * ps, m.l3_pages * ps, have * ps, committed,
                        time.perf_counter() - t0)
+
+    def settle(self) -> bool:
+        """The node's ``Flush``; a node too old to have it does not settle (UNIMPLEMENTED, asked once)."""
+        if self._can_flush:
+            try:
+                self.client.flush()
+            except self._rpc_error as e:
+                if e.code() != self._unimplemented:
+                    raise
+                self._can_flush = False
+        return self._can_flush
 
     def stats(self) -> dict[str, Any]:
         s = vars(self.client.stats()).copy()
@@ -243,6 +258,10 @@ class RouterTarget(Target):
             self.stub.Complete(rpb.CompleteRequest(route_id=d.route_id, status_code=code), timeout=self.timeout_s)
         self.routed[d.node] = self.routed.get(d.node, 0) + 1
         return out._replace(seconds=time.perf_counter() - t0)
+
+    def settle(self) -> bool:
+        """Every node served so far settles."""
+        return all([t.settle() for t in self.nodes.values()])
 
     def stats(self) -> dict[str, Any]:
         return {"routed": dict(self.routed), "nodes": {a: t.stats() for a, t in self.nodes.items()}}

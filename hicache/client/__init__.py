@@ -10,7 +10,16 @@ from hicache.client._common import CallError, RetryPolicy
 from hicache.client.aio import AsyncHiCacheClient, AsyncMatchStream
 from hicache.client.attach import AttachedPool, attach_pool
 from hicache.client.sync import HiCacheClient, MatchStream
-from hicache.client.types import CommitResult, Event, MatchResult, PageRun, PoolInfo, PrefetchProgress, Stats
+from hicache.client.types import (
+    CommitResult,
+    Event,
+    FlushResult,
+    MatchResult,
+    PageRun,
+    PoolInfo,
+    PrefetchProgress,
+    Stats,
+)
 
 __all__ = [
     "AsyncHiCacheClient",
@@ -19,6 +28,7 @@ __all__ = [
     "CallError",
     "CommitResult",
     "Event",
+    "FlushResult",
     "HiCacheClient",
     "MatchResult",
     "MatchStream",

@@ -34,7 +34,15 @@ from hicache.client._common import (
     write_pages_messages,
 )
 from hicache.client.attach import AttachedPool, attach_pool
-from hicache.client.types import CommitResult, Event, MatchResult, PoolInfo, PrefetchProgress, Stats
+from hicache.client.types import (
+    CommitResult,
+    Event,
+    FlushResult,
+    MatchResult,
+    PoolInfo,
+    PrefetchProgress,
+    Stats,
+)
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 
@@ -121,6 +129,11 @@ class AsyncHiCacheClient:
 
     async def stats(self, timeout_s: float | None = None) -> Stats:
         return Stats.from_pb(await self._call(self.stub.Stats, pb.StatsRequest(), timeout_s))
+
+    async def flush(self, timeout_s: float | None = None) -> FlushResult:
+        """Wait (up to the call's deadline) until the node's backups in flight and queued L3 writes are
+        done; ``complete`` says everything reached the store."""
+        return FlushResult.from_pb(await self._call(self.stub.Flush, pb.FlushRequest(), timeout_s))
 
     async def pool_info(self, timeout_s: float | None = None) -> PoolInfo:
         return PoolInfo.from_pb(await self._call(self.stub.GetPoolInfo, pb.GetPoolInfoRequest(), timeout_s))

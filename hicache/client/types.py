@@ -87,6 +87,22 @@ class Event(NamedTuple):
         return cls(m.sequence, _KINDS.get(m.kind, "unknown"), runs, m.server_id, m.snapshot_continues)
 
 
+class FlushResult(NamedTuple):
+    """What the node's store had not taken when a ``flush`` ended (all zero and ``complete``: nothing)."""
+
+    has_storage: bool  # False: the node has no L3 store; only its backups in flight were waited for
+    written_pages: int  # stored since the node started
+    failed_pages: int  # the store refused or errored on
+    dropped_pages: int  # refused on a full write queue
+    pending_pages: int  # still queued when the wait ended (the deadline came first)
+    complete: bool
+
+    @classmethod
+    def from_pb(cls, m: pb.FlushResponse) -> FlushResult:
+        return cls(bool(m.has_storage), int(m.written_pages), int(m.failed_pages), int(m.dropped_pages),
+                   int(m.pending_pages), bool(m.complete))
+
+
 @dataclass(frozen=True)
 class Stats:
     l1_pages_total: int

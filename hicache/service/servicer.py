@@ -14,6 +14,7 @@ opens when the worker finishes and is released by the client's Release or by idl
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import socket
 import time
@@ -358,6 +359,23 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             storage_errors=storage.errors if storage else 0,
             storage_corrupt_pages=storage.corrupt_pages if storage else 0,
         )
+
+    @unary
+    async def Flush(self, request: pb.FlushRequest, context: Ctx) -> pb.FlushResponse:
+        t = request.timeout_s
+        if not math.isfinite(t) or t < 0:
+            raise invalid(f"timeout_s: must be a finite number >= 0, got {t}")
+        wait: float | None = t if t > 0 else None
+        left = context.time_remaining()
+        if left is not None:
+            left = max(0.0, left - DEADLINE_MARGIN_S)
+            wait = left if wait is None else min(wait, left)
+        report = await blocking(self.cache.flush, wait)
+        if report is None:
+            return pb.FlushResponse(has_storage=False, complete=True)
+        return pb.FlushResponse(has_storage=True, written_pages=report.written_pages,
+                                failed_pages=report.failed_pages, dropped_pages=report.dropped_pages,
+                                pending_pages=report.pending_pages, complete=report.complete)
 
     @streaming
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: Ctx) -> AsyncIterator[pb.Event]:

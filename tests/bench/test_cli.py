@@ -82,7 +82,7 @@ def test_settle_defaults_and_flag(tmp_path: Path) -> None:
 
     assert BenchOptions().settles
     assert not BenchOptions(follow_timestamps=True).settles
-    assert not BenchOptions(target="grpc://127.0.0.1:1").settles
+    assert BenchOptions(target="grpc://127.0.0.1:1").settles  # through the node's Flush
     assert not BenchOptions(settle=False).settles and BenchOptions(follow_timestamps=True, settle=True).settles
     out = tmp_path / "out"
     assert main(["bench", *SMALL, "--workload", "rag", "--no-settle", "--json", str(out / "r.json")]) == 0

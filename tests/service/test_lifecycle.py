@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from hicache.client import HiCacheClient, RetryPolicy
 from hicache.config import config_from_dict
 from hicache.keys import page_keys
+from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.storage.base import StorageContext, create_backend
 
 from .service_harness import ServerProc, free_port
@@ -57,6 +58,40 @@ def test_sigterm_flushes_writebacks_to_the_file_store(server_factory: Callable[.
             assert store.batch_exists(keys) == len(keys)
     finally:
         store.close()
+
+
+def test_flush_waits_for_the_store_while_serving(server_factory: Callable[..., ServerProc], tmp_path: Path) -> None:
+    """Flush returns once every page committed so far is in the L3 store, and the node keeps serving."""
+    pytest.importorskip("hicache.storage.file_backend")
+    url = f"file://{tmp_path / 'l3-flush'}"
+    srv = server_factory(cache={"write_policy": "write_through"}, storage={"url": url})
+    prompts = [np.random.default_rng(100 + i).integers(0, 30_000, 16 * PS).astype(np.uint32) for i in range(5)]
+    cfg = config_from_dict(srv.config)
+    ns = cfg.namespace()
+    store = create_backend(url, StorageContext(ns.digest, cfg.layout.to_layout(), ns.model))
+    try:
+        with HiCacheClient(srv.target) as c:
+            total = sum(commit(c, t, f"f{i}") for i, t in enumerate(prompts))
+            r = c.flush()
+            assert r.has_storage and r.complete and r.written_pages == total == 5 * 16
+            assert (r.failed_pages, r.dropped_pages, r.pending_pages) == (0, 0, 0)
+            for t in prompts:  # read back by a second process's view of the store: all there, now
+                keys = page_keys(ns, t)
+                assert store.batch_exists(keys) == len(keys)
+            assert c.stats().storage_pages_written == total
+            for bad in (-1.0, float("nan"), float("inf")):
+                with pytest.raises(grpc.RpcError) as ei:
+                    c._call(c.stub.Flush, pb.FlushRequest(timeout_s=bad), None)
+                assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in ei.value.details()
+            assert c.match(prompts[0], peek=True).l1_pages == 16  # still serving, nothing lost
+    finally:
+        store.close()
+
+
+def test_flush_without_a_store(server: ServerProc) -> None:
+    with HiCacheClient(server.target) as c:
+        r = c.flush()
+    assert not r.has_storage and r.complete and r.written_pages == 0
 
 
 def test_concurrency_limit_metrics_health_reflection(server_factory: Callable[..., ServerProc]) -> None:

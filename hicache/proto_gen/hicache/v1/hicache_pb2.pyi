@@ -198,6 +198,28 @@ class StatsResponse(_message.Message):
     storage_corrupt_pages: int
     def __init__(self, l1_pages_total: _Optional[int] = ..., l1_pages_used: _Optional[int] = ..., l1_pages_cached: _Optional[int] = ..., l1_pages_locked: _Optional[int] = ..., l2_pages_total: _Optional[int] = ..., l2_pages_used: _Optional[int] = ..., l2_pages_cached: _Optional[int] = ..., writeback_queue_pages: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens_l1: _Optional[int] = ..., hit_tokens_l2: _Optional[int] = ..., hit_tokens_l3: _Optional[int] = ..., open_requests: _Optional[int] = ..., event_sequence: _Optional[int] = ..., storage_pages_written: _Optional[int] = ..., storage_pages_read: _Optional[int] = ..., storage_errors: _Optional[int] = ..., storage_corrupt_pages: _Optional[int] = ...) -> None: ...
 
+class FlushRequest(_message.Message):
+    __slots__ = ("timeout_s",)
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    timeout_s: float
+    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+
+class FlushResponse(_message.Message):
+    __slots__ = ("has_storage", "written_pages", "failed_pages", "dropped_pages", "pending_pages", "complete")
+    HAS_STORAGE_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PAGES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    has_storage: bool
+    written_pages: int
+    failed_pages: int
+    dropped_pages: int
+    pending_pages: int
+    complete: bool
+    def __init__(self, has_storage: _Optional[bool] = ..., written_pages: _Optional[int] = ..., failed_pages: _Optional[int] = ..., dropped_pages: _Optional[int] = ..., pending_pages: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
 class WatchEventsRequest(_message.Message):
     __slots__ = ("max_queue",)
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]

@@ -94,6 +94,11 @@ class HiCacheStub:
                 request_serializer=hicache_dot_v1_dot_hicache__pb2.WritePagesChunk.SerializeToString,
                 response_deserializer=hicache_dot_v1_dot_hicache__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.Flush = channel.unary_unary(
+                '/hicache.v1.HiCache/Flush',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.FlushRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.FlushResponse.FromString,
+                _registered_method=True)
 
 
 class HiCacheServicer:
@@ -186,6 +191,15 @@ class HiCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Flush(self, request, context):
+        """Wait until the L1 -> L2 backups in flight and the queued L3 writes are done (or `timeout_s`, or the
+        call's deadline, passed), and say what the store has not taken. Before planned maintenance, or
+        between the requests of a replay that must not depend on timing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HiCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -248,6 +262,11 @@ def add_HiCacheServicer_to_server(servicer, server):
                     servicer.WritePages,
                     request_deserializer=hicache_dot_v1_dot_hicache__pb2.WritePagesChunk.FromString,
                     response_serializer=hicache_dot_v1_dot_hicache__pb2.CommitResponse.SerializeToString,
+            ),
+            'Flush': grpc.unary_unary_rpc_method_handler(
+                    servicer.Flush,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.FlushRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.FlushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -574,6 +593,33 @@ class HiCache:
             '/hicache.v1.HiCache/WritePages',
             hicache_dot_v1_dot_hicache__pb2.WritePagesChunk.SerializeToString,
             hicache_dot_v1_dot_hicache__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Flush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.HiCache/Flush',
+            hicache_dot_v1_dot_hicache__pb2.FlushRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.FlushResponse.FromString,
             options,
             channel_credentials,
             insecure,
