@@ -22,7 +22,8 @@ def test_calls_without_the_token_are_unauthenticated(server_factory: Callable[..
     srv = server_factory(serve={"auth_token": TOKEN})
     toks = np.arange(64, dtype=np.uint32)
     with HiCacheClient(srv.target) as anon:
-        for call in (lambda: anon.match(toks, peek=True), anon.stats, lambda: next(iter(anon.watch_events()))):
+        for call in (lambda: anon.match(toks, peek=True), anon.stats, anon.flush,
+                     lambda: next(iter(anon.watch_events()))):
             with pytest.raises(grpc.RpcError) as ei:
                 call()
             assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
