@@ -71,6 +71,15 @@ async def blocking(fn: Callable[..., T], *args: Any) -> T:
     return result
 
 
+def _within_deadline(wait: float | None, context: Ctx) -> float | None:
+    """``wait`` seconds (None: no bound) cut to what the call's deadline leaves, less a margin to reply."""
+    left = context.time_remaining()
+    if left is None:
+        return wait
+    left = max(0.0, left - DEADLINE_MARGIN_S)
+    return left if wait is None else min(wait, left)
+
+
 class HiCacheServicer(pb_grpc.HiCacheServicer):
     def __init__(self, cache: HiCache, serve: ServeConfig, metrics: ServiceMetrics, hub: EventHub,
                  shared: SharedPool | None, request_ttl_s: float = 600.0) -> None:
@@ -130,11 +139,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             wait = None
         else:
             wait = s.prefetch_timeout(task.num_pages * self.page_size)
-        left = context.time_remaining()
-        if left is not None:
-            left = max(0.0, left - DEADLINE_MARGIN_S)
-            wait = left if wait is None else min(wait, left)
-        return wait
+        return _within_deadline(wait, context)
 
     async def expire_idle(self) -> int:
         """Release requests idle past the TTL (a client that went away); returns how many."""
@@ -365,12 +370,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         t = request.timeout_s
         if not math.isfinite(t) or t < 0:
             raise invalid(f"timeout_s: must be a finite number >= 0, got {t}")
-        wait: float | None = t if t > 0 else None
-        left = context.time_remaining()
-        if left is not None:
-            left = max(0.0, left - DEADLINE_MARGIN_S)
-            wait = left if wait is None else min(wait, left)
-        report = await blocking(self.cache.flush, wait)
+        report = await blocking(self.cache.flush, _within_deadline(t if t > 0 else None, context))
         if report is None:
             return pb.FlushResponse(has_storage=False, complete=True)
         return pb.FlushResponse(has_storage=True, written_pages=report.written_pages,
