@@ -25,7 +25,8 @@ In one run (needs a CUDA GPU and CuPy):
    max(load alone, compute alone), for compute/load ratios of about 0.5, 1 and 2, with when layer 0 was
    ready (compute's earliest start); 64 KiB pieces (every path), 16 and 8 KiB (staged, staggered or not)
    and 4 KiB pieces (kernel, and staged by groups of 8 layers staggered 1, 2 and 4 ways, and by groups of
-   4 not staggered and staggered 4 ways), each staged size also with chunk DMAs over 2 streams.
+   4 not staggered and staggered 4 ways), each staged size also with chunk DMAs over 2 streams; or, with
+   ``--overlap-variants``, the default staged path and the variants given, at every size asked.
 
 Transfers are timed with CUDA events on the compute stream, which is held by ``torch.cuda._sleep`` while
 the host submits, so the figures are device time; host submission time is reported beside them.
@@ -498,6 +499,9 @@ def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict
              ("staged", {"ce_min_copy_bytes": 32 << 10}), ("staged", {"staged_kernel": "resident"}),
              ("staged", {"staged_kernel": "resident", "resident_blocks": 1})]),
     ]
+    if args.overlap_variants:  # the default staged path, then each variant, at every piece size asked
+        plan = [(kib, [("staged", {}), *(("staged", kw) for kw in args.overlap_variants)])
+                for kib in args.overlap_pieces]
     for kib, configs in plan:
         if kib in args.overlap_pieces:
             rows += _overlap(args, ceil, kib << 10, configs)
@@ -581,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
                         "take precedence)")
     p.add_argument("--staged-variants", type=parse_variant, nargs="*", default=[],
                    help="section pieces: more staged columns, engine options key=int[,key=int...] each")
+    p.add_argument("--overlap-variants", type=parse_variant, nargs="*", default=[],
+                   help="section overlap: instead of the fixed set of paths, the default staged path and these "
+                        "staged variants (key=int[,key=int...] each) at every --overlap-pieces size")
     p.add_argument("--blocks-sweep", type=int, nargs="+", default=[4, 1, 2, 8])
     p.add_argument("--loop-cap", type=int, default=8192, help="most copies timed in the per-page loop")
     p.add_argument("--sections", nargs="+", default=["pieces", "gemm", "sdpa", "bidir", "overlap"],

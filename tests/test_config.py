@@ -43,6 +43,7 @@ def test_yaml_env_and_overrides(tmp_path: Path) -> None:
         ({"cache": {"transfer_options": {"stagger": 2}}}, "cache.transfer_options"),
         ({"cache": {"transfer_options": {"stagger_ways": 0}}}, "cache.transfer_options.stagger_ways"),
         ({"cache": {"transfer_options": {"backup_streams": 0}}}, "cache.transfer_options.backup_streams"),
+        ({"cache": {"transfer_options": {"load_head_layers": -1}}}, "cache.transfer_options.load_head_layers"),
         ({"cache": {"transfer_options": {"staging_bytes": "64M"}}}, "cache.transfer_options.staging_bytes"),
         ({"cache": {"transfer_options": {"layer_signal": "polling"}}}, "cache.transfer_options.layer_signal"),
         ({"cache": {"transfer_options": [1]}}, "cache.transfer_options"),

@@ -117,6 +117,7 @@ from hicache.transfer.cuda_streams import DmaStreams, Stager
 from hicache.transfer.cuda_tuning import (
     BACKUP_LANES,
     DEFAULT_BACKUP_STREAMS,
+    DEFAULT_LOAD_HEAD_LAYERS,
     DEFAULT_LOAD_STREAMS,
     DEFAULT_STAGING_BYTES,
     FAN_MIN_COPIES,
@@ -214,7 +215,8 @@ class CudaTransferEngine(TransferEngine):
                  stagger_ways: int = 4, backup_streams: int = DEFAULT_BACKUP_STREAMS,
                  staged_kernel: str = "per_chunk", resident_blocks: int = DEFAULT_RESIDENT_BLOCKS,
                  stage_lanes: int | None = None, backup_slots: int | None = None,
-                 load_streams: int = DEFAULT_LOAD_STREAMS, stage_blocks: int = DEFAULT_STAGE_BLOCKS) -> None:
+                 load_streams: int = DEFAULT_LOAD_STREAMS, stage_blocks: int = DEFAULT_STAGE_BLOCKS,
+                 load_head_layers: int = DEFAULT_LOAD_HEAD_LAYERS) -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
@@ -236,6 +238,9 @@ class CudaTransferEngine(TransferEngine):
             raise ValueError(f"load_streams: must be >= 1, got {load_streams}")
         if stage_blocks < 1:
             raise ValueError(f"stage_blocks: must be >= 1, got {stage_blocks}")
+        if load_head_layers < 0:
+            raise ValueError(f"load_head_layers: must be >= 0, got {load_head_layers}")
+        self.load_head_layers = load_head_layers
         self.stage_blocks = stage_blocks
         if staged_kernel not in STAGED_KERNELS:
             raise ValueError(f"staged_kernel: must be one of {STAGED_KERNELS}, got {staged_kernel!r}")
@@ -327,6 +332,8 @@ class CudaTransferEngine(TransferEngine):
         self._backup_lanes = [torch.cuda.Stream(self.device, priority=-1) for _ in range(self.backup_streams - 1)]
         # a staged load's chunk DMAs go over these too (load_streams; loads and backups never share one)
         self._load_lanes = [torch.cuda.Stream(self.device, priority=-1) for _ in range(self.load_streams - 1)]
+        # a staged load's first layers, gathered by the kernel beside the load's DMA (load_head_layers)
+        self._head_stream = torch.cuda.Stream(self.device, priority=-1)
         self._lock = threading.Lock()
         self._inflight: list[_InFlight] = []
 
@@ -555,7 +562,10 @@ class CudaTransferEngine(TransferEngine):
         sst = st.stream
         for ev in deps:
             sst.wait_event(ev)
-        idx_host = torch.from_numpy(np.ascontiguousarray(dev_idx, dtype=np.int64)).pin_memory()
+        head = 0 if to_host or self.staged_kernel == "resident" else self._head_layers(len(dev_idx), st)
+        # device pages; after them the host pages, which only the head's gather kernel reads
+        both = np.concatenate([dev_idx, host_idx]) if head else dev_idx
+        idx_host = torch.from_numpy(np.ascontiguousarray(both, dtype=np.int64)).pin_memory()
         with torch.cuda.stream(sst):  # allocated on the stream that uses it
             idx = torch.empty(idx_host.shape, dtype=torch.int64, device=self.device)
         # by a kernel, not a memcpy, which would queue behind bulk DMA in flight (see fetch_indices)
@@ -564,7 +574,7 @@ class CudaTransferEngine(TransferEngine):
             events, meta, flags = self._staged_resident(host_idx, to_host, stream, st, idx.data_ptr())
             return events, (idx_host, idx, *meta), flags
         if not to_host:
-            return self._staged_load(host_idx, stream, st, idx.data_ptr()), (idx_host, idx), None
+            return self._staged_load(host_idx, stream, st, idx.data_ptr(), head), (idx_host, idx), None
         per_group = group_layers(L, C, piece, L * C * piece, st.slot_bytes)  # backups: whole pages
         dma = self._dma_streams(stream)
         st.begin()
@@ -602,22 +612,36 @@ class CudaTransferEngine(TransferEngine):
         return DmaStreams(stream, self._backup_lanes if to_host else self._load_lanes)
 
     def _staged_load(self, host_idx: np.ndarray, stream: torch.cuda.Stream, st: Stager,
-                     idx_ptr: int) -> list[torch.cuda.Event]:
+                     idx_ptr: int, head: int = 0) -> list[torch.cuda.Event]:
         """The load half of :meth:`_staged`: groups of layers, staggered over parts of the page list
         (:func:`~hicache.transfer.staged.stagger_schedule`).
 
-        ``host_idx`` is in host order and ``idx_ptr`` holds the matching device pages on the GPU. Each
-        unit of the schedule is one part's pages for one group of layers, moved slot by slot, each slot
-        scattered on its lane; the stage stream then waits for the unit's scatters and records an event,
-        and layer ``i``'s event is that of the unit after which every part holds it.
+        ``host_idx`` is in host order and ``idx_ptr`` holds the matching device pages on the GPU (then,
+        when ``head`` > 0, the host pages). Each unit of the schedule is one part's pages for one group
+        of layers, moved slot by slot, each slot scattered on its lane; the stage stream then waits for
+        the unit's scatters and records an event, and layer ``i``'s event is that of the unit after
+        which every part holds it. The first ``head`` layers are not staged: the gather kernel copies
+        them from host memory, one launch and one event per layer, on the head stream, beside the DMA of
+        the others (:meth:`_head_layers`).
         """
         assert self._rt is not None
         L, C = self.layout.num_layers, self.layout.kv_count
         g = self.geometry
         piece = g.piece_bytes
         n = len(host_idx)
-        sched, bounds = self._load_schedule(n, st)
         sst = st.stream
+        head_events: list[torch.cuda.Event] = []
+        if head:
+            hs = self._head_stream
+            fetched = torch.cuda.Event()
+            fetched.record(sst)  # the transfer's dependencies and the index fetch
+            hs.wait_event(fetched)
+            for layer in range(head):
+                self.kernel.launch(hs.cuda_stream, idx_ptr, idx_ptr + 8 * n, n, layer * C, C, to_host=False)
+                ev = torch.cuda.Event()
+                ev.record(hs)
+                head_events.append(ev)
+        sched, bounds = self._load_schedule(n, st, head)
         dma = self._dma_streams(stream, to_host=False)
         st.begin()
         k = 0
@@ -653,19 +677,36 @@ class CudaTransferEngine(TransferEngine):
             landed.append(ev)
         dma.join()
         stream.wait_event(landed[-1])
+        if head_events:
+            stream.wait_event(head_events[-1])
         final = torch.cuda.Event()
         final.record(stream)
         last = len(sched.units) - 1
-        return [final if sched.ready[layer] == last else landed[sched.ready[layer]] for layer in range(L)]
+        return head_events + [final if sched.ready[layer] == last else landed[sched.ready[layer]]
+                              for layer in range(L - head)]
 
-    def _load_schedule(self, n: int, st: Stager) -> tuple[LoadSchedule, list[tuple[int, int]]]:
-        """The staggered group schedule of a staged load of ``n`` pages, and each part's page range."""
+    def _head_layers(self, n: int, st: Stager) -> int:
+        """Leading layers of a staged load of ``n`` pages that the gather kernel copies instead
+        (``load_head_layers``, at most all layers but one): only for loads of several layer groups,
+        whose first layer would otherwise be ready only once the first groups have landed."""
         L, C = self.layout.num_layers, self.layout.kv_count
+        per_group = group_layers(L, C, self.geometry.piece_bytes, self.ce_min_copy_bytes, st.slot_bytes)
+        if per_group >= L or n == 0:
+            return 0
+        return min(self.load_head_layers, L - 1)
+
+    def _load_schedule(self, n: int, st: Stager, head: int = 0) -> tuple[LoadSchedule, list[tuple[int, int]]]:
+        """The staggered group schedule of the layers from ``head`` on of a staged load of ``n`` pages
+        (units and ``ready`` numbered from layer ``head``), and each part's page range."""
+        L, C = self.layout.num_layers - head, self.layout.kv_count
         per_group = group_layers(L, C, self.geometry.piece_bytes, self.ce_min_copy_bytes, st.slot_bytes)
         # one group (whole pages): every layer is ready at once anyway, and whole-page runs of consecutive
         # host pages merge into single copies, which staggering would split
         ways = 1 if per_group >= L else max(1, min(self.stagger_ways, per_group, n // STAGGER_MIN_PAGES))
-        return stagger_schedule(L, per_group, ways), way_bounds(n, ways)
+        sched = stagger_schedule(L, per_group, ways)
+        if head:
+            sched = LoadSchedule([u._replace(layer_begin=u.layer_begin + head) for u in sched.units], sched.ready)
+        return sched, way_bounds(n, ways)
 
     def _staged_resident(self, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream, st: Stager,
                          idx_ptr: int) -> tuple[list[torch.cuda.Event], tuple[Any, ...], LayerFlags | None]:

@@ -77,6 +77,10 @@ DEFAULT_BACKUP_STREAMS = 4
 # (16 KiB pieces: 0.65 against 11.0 ms, 14.0 against 22.8 ms). The layer-wise overlap is what loads are
 # for, so one stream is the default; a caller queueing many loads far ahead of the device can raise it.
 DEFAULT_LOAD_STREAMS = 1
+# Leading layers of a staged load (of several layer groups) that the gather kernel copies straight from
+# host memory, one launch per layer, beside the DMA of the others: the stagger's first layer is ready only
+# once about 5 / 32 of a 32-layer load has landed, and compute as long as the load never catches that up.
+DEFAULT_LOAD_HEAD_LAYERS = 0
 FAN_MIN_COPIES = 16  # fewest copies in one part of a fanned-out backup
 STAGE_RAMP = 4  # smaller chunks at a backup's start and a load's end: 1/16, 1/8, 1/4, 1/2 of a slot
 STAGGER_MIN_PAGES = 32  # pages per part, at least, before a staged load is staggered (staged.stagger_schedule)

@@ -504,6 +504,40 @@ def test_staggered_staged_load_layer_by_layer(ways: int, kernel: str) -> None:
         eng.close()
 
 
+@pytest.mark.parametrize("head", [1, 3, 40])
+def test_staged_load_head_layers_by_kernel(head: int) -> None:
+    """``load_head_layers``: a staged load's first layers come from the gather kernel, one event each,
+    beside the staggered DMA of the rest (at most all layers but one). Every layer holds the host data
+    once its wait returns; two loads into the same device pages, the first one's head held up, end with
+    the second's data; a load of a single layer group has no head."""
+    layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces: groups of 8 layers
+    n = 512
+    dev, host = _pools(layout, 2 * n, 2 * n, "page_first", seed=60, pin=True)
+    eng = create_engine("cuda", dev, host, io_backend="staged", load_head_layers=head)
+    try:
+        d, h = _indices(n, 2 * n, 2 * n, seed=61)
+        handle = _load_checked_layer_by_layer(eng, dev, host, d, h)
+        ev = handle.events  # type: ignore[attr-defined]
+        k = min(head, layout.num_layers - 1)
+        assert len({id(e) for e in ev[:k]}) == k and not {id(e) for e in ev[:k]} & {id(e) for e in ev[k:]}
+        d2 = d[: n // 2]
+        h1, h2 = h[: n // 2], h[n // 2:]
+        every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
+        want = _expect_load(_snapshot(dev), host, d2, h2, every)
+        _two_loads_behind(eng._head_stream, eng, dev, (h1, d2), (h2, d2), want)  # type: ignore[attr-defined]
+    finally:
+        eng.close()
+    small = KVLayout(4, 2, 64, "bfloat16", 16)  # 4 layers of 4 KiB pieces: one group of whole pages
+    dev, host = _pools(small, 64, 64, "page_first", seed=62, pin=True)
+    eng = create_engine("cuda", dev, host, io_backend="staged", load_head_layers=head)
+    try:
+        d, h = _indices(64, 64, 64, seed=63)
+        handle = _load_checked_layer_by_layer(eng, dev, host, d, h)
+        assert len({id(e) for e in handle.events}) == 1  # type: ignore[attr-defined]
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("kernel", ["per_chunk", "resident"])
 def test_staged_loads_queued_back_to_back_while_scatters_wait(kernel: str) -> None:
     """Staged loads queued back to back with no host wait, while the stage stream is held up (as when a
