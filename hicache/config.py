@@ -29,7 +29,8 @@ IO_BACKENDS = ("auto", "cpu", "kernel", "copy_engine", "staged")
 # tuning of the CUDA transfer engine (hicache.transfer.cuda.CudaTransferEngine), by keyword: minimum value
 TRANSFER_INT_OPTIONS = {"blocks": 1, "threads": 32, "ce_min_copy_bytes": 1, "staging_bytes": 4, "stagger_ways": 1,
                         "backup_streams": 1, "resident_blocks": 1, "stage_lanes": 1,
-                        "backup_slots": 4, "load_streams": 1, "stage_blocks": 1, "load_head_layers": 0}
+                        "backup_slots": 4, "load_streams": 1, "stage_blocks": 1, "load_head_layers": 0,
+                        "head_blocks": 1}
 LAYER_SIGNALS = ("auto", "flags", "events")
 # the staged path's device-side copies: one kernel per staging chunk, or one resident kernel per transfer
 STAGED_KERNELS = ("per_chunk", "resident")

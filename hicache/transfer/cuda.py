@@ -117,6 +117,7 @@ from hicache.transfer.cuda_streams import DmaStreams, Stager
 from hicache.transfer.cuda_tuning import (
     BACKUP_LANES,
     DEFAULT_BACKUP_STREAMS,
+    DEFAULT_HEAD_BLOCKS,
     DEFAULT_LOAD_HEAD_LAYERS,
     DEFAULT_LOAD_STREAMS,
     DEFAULT_STAGING_BYTES,
@@ -216,7 +217,7 @@ class CudaTransferEngine(TransferEngine):
                  staged_kernel: str = "per_chunk", resident_blocks: int = DEFAULT_RESIDENT_BLOCKS,
                  stage_lanes: int | None = None, backup_slots: int | None = None,
                  load_streams: int = DEFAULT_LOAD_STREAMS, stage_blocks: int = DEFAULT_STAGE_BLOCKS,
-                 load_head_layers: int = DEFAULT_LOAD_HEAD_LAYERS) -> None:
+                 load_head_layers: int = DEFAULT_LOAD_HEAD_LAYERS, head_blocks: int = DEFAULT_HEAD_BLOCKS) -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
@@ -241,6 +242,10 @@ class CudaTransferEngine(TransferEngine):
         if load_head_layers < 0:
             raise ValueError(f"load_head_layers: must be >= 0, got {load_head_layers}")
         self.load_head_layers = load_head_layers
+        if head_blocks < 1:
+            raise ValueError(f"head_blocks: must be >= 1, got {head_blocks}")
+        self.head_blocks = head_blocks
+        self._head_copier: KernelCopier | None = None
         self.stage_blocks = stage_blocks
         if staged_kernel not in STAGED_KERNELS:
             raise ValueError(f"staged_kernel: must be one of {STAGED_KERNELS}, got {staged_kernel!r}")
@@ -621,7 +626,7 @@ class CudaTransferEngine(TransferEngine):
         of layers, moved slot by slot, each slot scattered on its lane; the stage stream then waits for
         the unit's scatters and records an event, and layer ``i``'s event is that of the unit after
         which every part holds it. The first ``head`` layers are not staged: the gather kernel copies
-        them from host memory, one launch and one event per layer, on the head stream, beside the DMA of
+        them from host memory, one launch and one event per layer, on the head stream, before the DMA of
         the others (:meth:`_head_layers`).
         """
         assert self._rt is not None
@@ -636,11 +641,14 @@ class CudaTransferEngine(TransferEngine):
             fetched = torch.cuda.Event()
             fetched.record(sst)  # the transfer's dependencies and the index fetch
             hs.wait_event(fetched)
+            kern = self._head_kernel()
             for layer in range(head):
-                self.kernel.launch(hs.cuda_stream, idx_ptr, idx_ptr + 8 * n, n, layer * C, C, to_host=False)
+                kern.launch(hs.cuda_stream, idx_ptr, idx_ptr + 8 * n, n, layer * C, C, to_host=False)
                 ev = torch.cuda.Event()
                 ev.record(hs)
                 head_events.append(ev)
+            # the DMA of the other layers follows: beside it the kernel's reads get little of the link
+            stream.wait_event(head_events[-1])
         sched, bounds = self._load_schedule(n, st, head)
         dma = self._dma_streams(stream, to_host=False)
         st.begin()
@@ -684,6 +692,12 @@ class CudaTransferEngine(TransferEngine):
         last = len(sched.units) - 1
         return head_events + [final if sched.ready[layer] == last else landed[sched.ready[layer]]
                               for layer in range(L - head)]
+
+    def _head_kernel(self) -> KernelCopier:
+        """The gather kernel of a staged load's head layers (``head_blocks`` blocks), made on first use."""
+        if self._head_copier is None:
+            self._head_copier = KernelCopier(self.geometry, self.device_index, self.head_blocks, self.kernel.threads)
+        return self._head_copier
 
     def _head_layers(self, n: int, st: Stager) -> int:
         """Leading layers of a staged load of ``n`` pages that the gather kernel copies instead

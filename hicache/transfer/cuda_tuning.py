@@ -81,6 +81,7 @@ DEFAULT_LOAD_STREAMS = 1
 # host memory, one launch per layer, beside the DMA of the others: the stagger's first layer is ready only
 # once about 5 / 32 of a 32-layer load has landed, and compute as long as the load never catches that up.
 DEFAULT_LOAD_HEAD_LAYERS = 0
+DEFAULT_HEAD_BLOCKS = 16  # the head's kernel runs before the DMA and before compute starts: it can take SMs
 FAN_MIN_COPIES = 16  # fewest copies in one part of a fanned-out backup
 STAGE_RAMP = 4  # smaller chunks at a backup's start and a load's end: 1/16, 1/8, 1/4, 1/2 of a slot
 STAGGER_MIN_PAGES = 32  # pages per part, at least, before a staged load is staggered (staged.stagger_schedule)
