@@ -23,10 +23,12 @@ In one run (needs a CUDA GPU and CuPy):
    path and ``auto`` (copy-engine backups fanned over 4 streams, and over 1).
 5. A 32-layer load overlapped with per-layer compute (GEMMs after ``wait_layer(i)``) against
    max(load alone, compute alone), for compute/load ratios of about 0.5, 1 and 2, with when layer 0 was
-   ready (compute's earliest start); 64 KiB pieces (every path), 16 and 8 KiB (staged, staggered or not)
-   and 4 KiB pieces (kernel, and staged by groups of 8 layers staggered 1, 2 and 4 ways, and by groups of
-   4 not staggered and staggered 4 ways), each staged size also with chunk DMAs over 2 streams; or, with
-   ``--overlap-variants``, the default staged path and the variants given, at every size asked.
+   ready (compute's earliest start), how long compute itself took beside the load and how long it then
+   waited for later layers (the overlapped time is about the sum of the three); 64 KiB pieces (every
+   path), 16 and 8 KiB (staged, staggered or not) and 4 KiB pieces (kernel, and staged by groups of 8
+   layers staggered 1, 2 and 4 ways, and by groups of 4 not staggered and staggered 4 ways), each staged
+   size also with chunk DMAs over 2 streams; or, with ``--overlap-variants``, the default staged path
+   and the variants given, at every size asked.
 
 Transfers are timed with CUDA events on the compute stream, which is held by ``torch.cuda._sleep`` while
 the host submits, so the figures are device time; host submission time is reported beside them.
@@ -532,6 +534,8 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
             comp = []
             over = []
             first = []  # when compute could start: layer 0 ready, after the load began
+            stall = []  # compute waiting for layers after it started
+            beside = []  # compute time itself, beside the load
             for _ in range(args.reps):
                 torch.cuda.synchronize()
                 torch.cuda._sleep(SLEEP_CYCLES)  # same idle-then-busy start as the overlapped sample
@@ -541,29 +545,36 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
                 x, y = ev(), ev()
                 x.record()
                 h = eng.load(s.h, s.d)
-                f = ev()
+                starts, ends = [], []
                 for layer in range(layers):
                     h.wait_layer(layer)
-                    if layer == 0:
-                        f.record()
+                    starts.append(ev())
+                    starts[-1].record()
                     for _ in range(k):
                         torch.mm(a, b)
+                    ends.append(ev())
+                    ends[-1].record()
                 y.record()
                 y.synchronize()
                 over.append(x.elapsed_time(y) / 1e3)
-                first.append(x.elapsed_time(f) / 1e3)
+                first.append(x.elapsed_time(starts[0]) / 1e3)
+                stall.append(sum(ends[i - 1].elapsed_time(starts[i]) for i in range(1, layers)) / 1e3)
+                beside.append(sum(starts[i].elapsed_time(ends[i]) for i in range(layers)) / 1e3)
             t_comp, t_over, t_first = median(comp), median(over), median(first)
+            t_stall, t_beside = median(stall), median(beside)
             ratio = t_over / max(t_load, t_comp)
             rows.append({"backend": backend, "layer_signal": signal, "layers": layers, "piece_bytes": piece,
                          "options": kw,
                          "load_ms": t_load * 1e3,
                          "compute_ms": t_comp * 1e3, "overlapped_ms": t_over * 1e3, "ratio_vs_max": ratio,
-                         "first_layer_ms": t_first * 1e3,
+                         "first_layer_ms": t_first * 1e3, "stall_ms": t_stall * 1e3,
+                         "compute_beside_ms": t_beside * 1e3,
                          "bytes": s.bytes})
             print(f"32-layer overlap {piece >> 10:>3} KiB {backend:<11} {signal:<6} "
                   f"compute/load {t_comp / t_load:4.2f}: load {t_load * 1e3:6.2f} ms, "
                   f"compute {t_comp * 1e3:6.2f} ms, layer 0 at {t_first * 1e3:5.2f}, "
-                  f"overlapped {t_over * 1e3:6.2f} ms = {ratio:.3f} x max"
+                  f"overlapped {t_over * 1e3:6.2f} ms = {ratio:.3f} x max (compute beside the load "
+                  f"{t_beside * 1e3:6.2f} ms, waits after layer 0 {t_stall * 1e3:5.2f} ms)"
                   + "".join(f" {k}={v}" for k, v in kw.items() if k not in ("stagger_ways", "ce_min_copy_bytes")),
                   flush=True)
         eng.close()
