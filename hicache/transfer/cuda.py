@@ -68,7 +68,10 @@ I/O backends (``io_backend``):
   Each stream's queue on the device holds only so many copies before the call that adds one waits for
   the device to drain it: spreading raises how much a transfer can queue without blocking the host.
   See :mod:`hicache.transfer.staged`, and :mod:`hicache.transfer.cuda_tuning` for the defaults and what
-  they were measured to do. ``staged_kernel`` picks how the device-side copies run:
+  they were measured to do. ``load_head_layers`` (default 0) has the gather kernel (``head_blocks``
+  blocks, default 16) copy a staged load's first layers from host memory, one event each, before the
+  DMA of the others starts, so compute can start sooner: it pays where compute is well over the load.
+  ``staged_kernel`` picks how the device-side copies run:
   ``per_chunk`` (default) launches one short kernel per staging chunk; each launch must win SMs from
   running compute. ``resident`` launches one kernel per transfer that stays on ``resident_blocks`` SMs
   (default 2) and follows the DMA through 32-bit flags in device memory: the copy-engine stream writes

@@ -78,10 +78,15 @@ DEFAULT_BACKUP_STREAMS = 4
 # for, so one stream is the default; a caller queueing many loads far ahead of the device can raise it.
 DEFAULT_LOAD_STREAMS = 1
 # Leading layers of a staged load (of several layer groups) that the gather kernel copies straight from
-# host memory, one launch per layer, beside the DMA of the others: the stagger's first layer is ready only
-# once about 5 / 32 of a 32-layer load has landed, and compute as long as the load never catches that up.
+# host memory, one launch and one event per layer, before the DMA of the others starts: a staggered load's
+# first layer is ready only once about 5 / 32 of a 32-layer load has landed. With 4 layers on 16 blocks,
+# layer 0 was ready at 0.41-0.44 ms instead of 2.0, but the DMA then starts later and the head's launches
+# wait for SMs behind compute (H200, 32-layer overlap of 4 KiB pieces, x max(load, compute) at compute/load
+# about 0.45 / 0.9 / 1.8: 1.11-1.12 / 1.24 / 1.11-1.12 against 1.06 / 1.19 / 1.15 by default). It pays
+# only where compute is well over the load, so it is off. Beside the DMA instead of before it, the
+# kernel's reads got little of the link (2 blocks: layer 0 at 1.96 ms; 4 blocks: 1.07 ms).
 DEFAULT_LOAD_HEAD_LAYERS = 0
-DEFAULT_HEAD_BLOCKS = 16  # the head's kernel runs before the DMA and before compute starts: it can take SMs
+DEFAULT_HEAD_BLOCKS = 16  # the head's kernel runs before the DMA, and mostly before compute starts
 FAN_MIN_COPIES = 16  # fewest copies in one part of a fanned-out backup
 STAGE_RAMP = 4  # smaller chunks at a backup's start and a load's end: 1/16, 1/8, 1/4, 1/2 of a slot
 STAGGER_MIN_PAGES = 32  # pages per part, at least, before a staged load is staggered (staged.stagger_schedule)
