@@ -8,7 +8,8 @@ In one run (needs a CUDA GPU and CuPy):
    random page indices: GB/s of the kernel path (``io_backend=kernel``), the copy-engine path
    (``io_backend=copy_engine``: merged runs, ``cudaMemcpyBatchAsync``), the staged path
    (``io_backend=staged``: per-page runs by DMA through a device staging slot, then a device-side
-   scatter/gather), and a per-page ``cudaMemcpyAsync`` loop issued from Python; with
+   scatter/gather; loads also as a whole, ``layer_wise=False``, which moves whole pages instead of
+   staggered layer groups), and a per-page ``cudaMemcpyAsync`` loop issued from Python; with
    ``--staged-variants``, the staged path again with other engine options (``stage_lanes=1``...).
 3. Slowdown of a bf16 8192^3 GEMM stream while loads (or backups) run next to it: one contiguous
    pinned copy (the ceiling under that load: the GEMM's own memory traffic slows DMA too), the kernel
@@ -256,6 +257,11 @@ def _load(eng: CudaTransferEngine | PinnedCopy, s: Setup) -> list[TransferHandle
     return [eng.load(s.h, s.d)]
 
 
+def _load_whole(eng: CudaTransferEngine, s: Setup) -> list[TransferHandle]:
+    """A load the caller waits for as a whole (``layer_wise=False``: staged loads move whole pages)."""
+    return [eng.load(s.h, s.d, layer_wise=False)]
+
+
 def _backup(eng: CudaTransferEngine | PinnedCopy, s: Setup) -> list[TransferHandle]:
     return [eng.backup(s.d, s.h)]
 
@@ -281,6 +287,10 @@ def bench_pieces(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[
                     t, sub = time_device(partial(_backup, eng, s), L, args.reps)
                 row[f"{backend}_gbps"] = s.bytes / t / GB
                 row[f"{backend}_submit_ms"] = sub * 1e3
+                if backend == "staged" and direction == "h2d":
+                    t, _ = time_device(partial(_load_whole, eng, s), L, args.reps)
+                    row["staged_whole_gbps"] = s.bytes / t / GB
+                    row["staged_whole_ratio"] = row["staged_whole_gbps"] / ceil[direction]
                 if backend == "copy_engine":
                     plan = eng.plan(s.d, s.h, 0, L * s.layout.kv_count, direction == "d2h")
                     row["copy_engine_copies"] = plan.n_copies
@@ -294,6 +304,8 @@ def bench_pieces(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[
             for key in ("kernel", "copy_engine", "staged", "loop"):
                 row[f"{key}_ratio"] = row[f"{key}_gbps"] / c
             extra = ""
+            if "staged_whole_gbps" in row:
+                extra += f"  staged whole {row['staged_whole_gbps']:5.1f} ({row['staged_whole_ratio']:.2f})"
             for kw in args.staged_variants:
                 eng = s.engine(io_backend="staged", **kw)
                 t, _ = time_device(partial(_load if direction == "h2d" else _backup, eng, s), L, args.reps)

@@ -388,11 +388,13 @@ class HiCache:
             req.prefetch = None
             return n
 
-    def load_back(self, req: Request) -> LoadResult:
+    def load_back(self, req: Request, layer_wise: bool = True) -> LoadResult:
         """Bring the L2 run (and whatever L3 prefetch landed, per policy) onto L1.
 
         Returns the L1 pages of the whole usable prefix and a handle with per-layer readiness; compute
-        for layer i may start after ``wait_layer(i)``.
+        for layer i may start after ``wait_layer(i)``. ``layer_wise=False`` tells the transfer engine the
+        caller will wait for the whole load (``wait()``), so it may take the fastest order instead of
+        making early layers ready first (:meth:`hicache.transfer.base.TransferEngine.load`).
         """
         t0 = time.perf_counter()
         self._check_open(req)
@@ -414,7 +416,7 @@ class HiCache:
                     self.tree.unpin_host(nodes[-1])
                     self.tree.unlock(m.l1_node)
                 host = np.concatenate([x.host for x in nodes if x.host is not None])
-                handle = self.transfer.load(host, dev)
+                handle = self.transfer.load(host, dev, layer_wise=layer_wise)
                 off = 0
                 for x in nodes:
                     self.tree.set_device(x, dev[off: off + x.n_pages], handle)

@@ -88,7 +88,7 @@ class InProcessTarget(Target):
             if l3:
                 c.prefetch(r)
             with contextlib.suppress(CacheFullError):  # the L2 run does not fit on L1 now: recomputed
-                c.load_back(r).wait()
+                c.load_back(r, layer_wise=False).wait()
             have = len(r.device_indices)
             seq = np.concatenate([req.tokens, req.output]) if len(req.output) else req.tokens
             n = len(seq) // ps - have

@@ -124,7 +124,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         return self.resolver.resolve(ref.tenant, ref.model, ref.revision, ref.layout)
 
     def _load(self, req: Request) -> LoadResult:
-        load = self.cache.load_back(req)
+        load = self.cache.load_back(req, layer_wise=False)  # the reply comes once every layer is on L1
         load.wait()
         return load
 

@@ -70,8 +70,11 @@ class TransferEngine(abc.ABC):
         return src, dst
 
     @abc.abstractmethod
-    def load(self, host_idx: np.ndarray, device_idx: np.ndarray) -> TransferHandle:
-        """L2 -> L1, layer by layer."""
+    def load(self, host_idx: np.ndarray, device_idx: np.ndarray, layer_wise: bool = True) -> TransferHandle:
+        """L2 -> L1. ``layer_wise``: the caller computes layer by layer after ``wait_layer(i)``, so the
+        engine should make early layers ready early; ``False``: the caller waits for the whole load
+        (``wait()``), so the engine may move the pages in whatever order is fastest. Either way every
+        layer's ``wait_layer`` is correct; the hint changes only speed."""
 
     @abc.abstractmethod
     def backup(self, device_idx: np.ndarray, host_idx: np.ndarray) -> TransferHandle:

@@ -90,7 +90,8 @@ class CpuTransferEngine(TransferEngine):
         self._queue.put(job)
         return handle
 
-    def load(self, host_idx: np.ndarray, device_idx: np.ndarray) -> TransferHandle:
+    def load(self, host_idx: np.ndarray, device_idx: np.ndarray, layer_wise: bool = True) -> TransferHandle:
+        # layer by layer either way: the copies go in layer order on one worker thread
         src, dst = self._check(host_idx, device_idx, self.host_pool.num_pages, self.device_pool.num_pages)
         return self._submit(src, dst, to_device=True)
 

@@ -504,6 +504,39 @@ def test_staggered_staged_load_layer_by_layer(ways: int, kernel: str) -> None:
         eng.close()
 
 
+@pytest.mark.parametrize("kernel", ["per_chunk", "resident"])
+def test_staged_whole_load_moves_whole_pages(kernel: str) -> None:
+    """``layer_wise=False``: a staged load of several layer groups moves whole pages in one group, not
+    staggered and with no head (every layer ready at once), and lands the same data; the default load
+    of the same engine is still staggered."""
+    layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces: groups of 8 layers when layer-wise
+    n = 512
+    dev, host = _pools(layout, 2 * n, 2 * n, "page_first", seed=64, pin=True)
+    eng = create_engine("cuda", dev, host, io_backend="staged", staged_kernel=kernel, load_head_layers=2)
+    try:
+        d, h = _indices(n, 2 * n, 2 * n, seed=65)
+        L = layout.num_layers
+        before = _snapshot(dev)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        handle = eng.load(h, d, layer_wise=False)
+        snaps = []
+        for layer in range(L):
+            handle.wait_layer(layer)
+            snaps.append([t.view(torch.uint8).clone() for t in dev.kv[layer]])
+        torch.cuda.synchronize()
+        want = _expect_load(before, host, d, h, {(x, c) for x in range(L) for c in range(2)})
+        for layer in range(L):
+            for c in range(2):
+                assert torch.equal(snaps[layer][c].cpu(), want[layer][c]), (layer, c)
+        assert len({id(e) for e in handle.events}) == 1  # type: ignore[attr-defined]
+        if kernel == "per_chunk":
+            d2, h2 = _indices(n, 2 * n, 2 * n, seed=66)
+            layered = _load_checked_layer_by_layer(eng, dev, host, d2, h2)
+            assert len({id(e) for e in layered.events}) > 2  # type: ignore[attr-defined]
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("head", [1, 3, 40])
 def test_staged_load_head_layers_by_kernel(head: int) -> None:
     """``load_head_layers``: a staged load's first layers come from the gather kernel, one event each,
