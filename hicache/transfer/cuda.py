@@ -248,7 +248,7 @@ class CudaTransferEngine(TransferEngine):
         if head_blocks < 1:
             raise ValueError(f"head_blocks: must be >= 1, got {head_blocks}")
         self.head_blocks = head_blocks
-        self._head_copier: KernelCopier | None = None
+        self._head: tuple[torch.cuda.Stream, KernelCopier] | None = None  # made on first use
         self.stage_blocks = stage_blocks
         if staged_kernel not in STAGED_KERNELS:
             raise ValueError(f"staged_kernel: must be one of {STAGED_KERNELS}, got {staged_kernel!r}")
@@ -340,8 +340,6 @@ class CudaTransferEngine(TransferEngine):
         self._backup_lanes = [torch.cuda.Stream(self.device, priority=-1) for _ in range(self.backup_streams - 1)]
         # a staged load's chunk DMAs go over these too (load_streams; loads and backups never share one)
         self._load_lanes = [torch.cuda.Stream(self.device, priority=-1) for _ in range(self.load_streams - 1)]
-        # a staged load's first layers, gathered by the kernel beside the load's DMA (load_head_layers)
-        self._head_stream = torch.cuda.Stream(self.device, priority=-1)
         self._lock = threading.Lock()
         self._inflight: list[_InFlight] = []
 
@@ -646,11 +644,10 @@ class CudaTransferEngine(TransferEngine):
         sst = st.stream
         head_events: list[torch.cuda.Event] = []
         if head:
-            hs = self._head_stream
+            hs, kern = self._head_copier()
             fetched = torch.cuda.Event()
             fetched.record(sst)  # the transfer's dependencies and the index fetch
             hs.wait_event(fetched)
-            kern = self._head_kernel()
             for layer in range(head):
                 kern.launch(hs.cuda_stream, idx_ptr, idx_ptr + 8 * n, n, layer * C, C, to_host=False)
                 ev = torch.cuda.Event()
@@ -702,11 +699,13 @@ class CudaTransferEngine(TransferEngine):
         return head_events + [final if sched.ready[layer] == last else landed[sched.ready[layer]]
                               for layer in range(L - head)]
 
-    def _head_kernel(self) -> KernelCopier:
-        """The gather kernel of a staged load's head layers (``head_blocks`` blocks), made on first use."""
-        if self._head_copier is None:
-            self._head_copier = KernelCopier(self.geometry, self.device_index, self.head_blocks, self.kernel.threads)
-        return self._head_copier
+    def _head_copier(self) -> tuple[torch.cuda.Stream, KernelCopier]:
+        """The stream and gather kernel (``head_blocks`` blocks) of staged loads' head layers, made on first
+        use: an engine without a head creates no stream for it."""
+        if self._head is None:
+            self._head = (torch.cuda.Stream(self.device, priority=-1),
+                          KernelCopier(self.geometry, self.device_index, self.head_blocks, self.kernel.threads))
+        return self._head
 
     def _head_layers(self, n: int, st: Stager) -> int:
         """Leading layers of a staged load of ``n`` pages that the gather kernel copies instead
@@ -829,8 +828,8 @@ class CudaTransferEngine(TransferEngine):
 
     def load(self, host_idx: np.ndarray, device_idx: np.ndarray, layer_wise: bool = True) -> TransferHandle:
         """See :meth:`TransferEngine.load`. A staged load that is not ``layer_wise`` moves whole pages (one
-        layer group, no stagger, no head), which runs at the copy engine's full rate where the staggered
-        layer groups lose 6-10% (H200, 8-32 KiB pieces)."""
+        layer group, no stagger, no head), at the copy engine's full rate (H200, 32-layer loads of 4-16 KiB
+        pieces: 0.99 of the link, against 0.89-0.95 in staggered layer groups)."""
         src, dst = self._check(host_idx, device_idx, self.host_pool.num_pages, self.device_pool.num_pages)
         return self._submit(dst, src, to_host=False, layer_wise=layer_wise)
 

@@ -557,7 +557,8 @@ def test_staged_load_head_layers_by_kernel(head: int) -> None:
         h1, h2 = h[: n // 2], h[n // 2:]
         every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
         want = _expect_load(_snapshot(dev), host, d2, h2, every)
-        _two_loads_behind(eng._head_stream, eng, dev, (h1, d2), (h2, d2), want)  # type: ignore[attr-defined]
+        head_stream, _ = eng._head_copier()  # type: ignore[attr-defined]
+        _two_loads_behind(head_stream, eng, dev, (h1, d2), (h2, d2), want)
     finally:
         eng.close()
     small = KVLayout(4, 2, 64, "bfloat16", 16)  # 4 layers of 4 KiB pieces: one group of whole pages
