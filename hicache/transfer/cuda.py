@@ -137,9 +137,8 @@ from hicache.transfer.resident import ResidentChunk, number_chunks
 from hicache.transfer.staged import (
     LoadSchedule,
     group_layers,
+    load_schedule,
     plan_group,
-    stagger_schedule,
-    way_bounds,
     with_slot_base,
 )
 
@@ -719,20 +718,10 @@ class CudaTransferEngine(TransferEngine):
 
     def _load_schedule(self, n: int, st: Stager, head: int = 0,
                        layer_wise: bool = True) -> tuple[LoadSchedule, list[tuple[int, int]]]:
-        """The staggered group schedule of the layers from ``head`` on of a staged load of ``n`` pages
-        (units and ``ready`` numbered from layer ``head``), and each part's page range. Not
-        ``layer_wise``: groups as large as a slot allows (whole pages where one fits), not staggered."""
-        L, C = self.layout.num_layers - head, self.layout.kv_count
-        min_run = self.ce_min_copy_bytes if layer_wise else L * C * self.geometry.piece_bytes
-        per_group = group_layers(L, C, self.geometry.piece_bytes, min_run, st.slot_bytes)
-        # one group (whole pages): every layer is ready at once anyway, and whole-page runs of consecutive
-        # host pages merge into single copies, which staggering would split
-        ways = 1 if per_group >= L or not layer_wise else max(1, min(self.stagger_ways, per_group,
-                                                                      n // STAGGER_MIN_PAGES))
-        sched = stagger_schedule(L, per_group, ways)
-        if head:
-            sched = LoadSchedule([u._replace(layer_begin=u.layer_begin + head) for u in sched.units], sched.ready)
-        return sched, way_bounds(n, ways)
+        """The schedule of a staged load of ``n`` pages (:func:`~hicache.transfer.staged.load_schedule`)."""
+        return load_schedule(self.layout.num_layers, self.layout.kv_count, self.geometry.piece_bytes,
+                             self.ce_min_copy_bytes, st.slot_bytes, n, self.stagger_ways, STAGGER_MIN_PAGES, head,
+                             layer_wise)
 
     def _staged_resident(self, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream, st: Stager,
                          idx_ptr: int,

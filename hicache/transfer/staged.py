@@ -202,3 +202,31 @@ def stagger_schedule(num_layers: int, per_group: int, ways: int) -> LoadSchedule
             last[u.way][layer] = i
     ready = [max(last[k][layer] for k in range(ways)) for layer in range(num_layers)]
     return LoadSchedule(units, ready)
+
+
+def load_schedule(num_layers: int, kv_count: int, piece_bytes: int, min_run_bytes: int, slot_bytes: int,
+                  n_pages: int, stagger_ways: int, min_part_pages: int, head: int = 0,
+                  layer_wise: bool = True) -> tuple[LoadSchedule, list[tuple[int, int]]]:
+    """The schedule of a staged load of ``n_pages`` pages and each part's page range (:func:`way_bounds`).
+
+    The layers from ``head`` on go by groups of :func:`group_layers` (runs of at least
+    ``min_run_bytes``), staggered over up to ``stagger_ways`` parts of at least ``min_part_pages`` pages
+    each; units and ``ready`` are numbered from layer ``head`` (the first ``head`` layers move another
+    way), and ``layer_begin`` is absolute. One group (whole pages) is never staggered: every layer is
+    ready at once anyway, and whole-page runs of consecutive host pages merge into single copies, which
+    staggering would split. Not ``layer_wise`` (the caller waits for the whole load): groups as large as a
+    slot allows, whole pages where one fits, not staggered.
+    """
+    n_layers = num_layers - head
+    min_run = min_run_bytes if layer_wise else n_layers * kv_count * piece_bytes
+    per_group = group_layers(n_layers, kv_count, piece_bytes, min_run, slot_bytes)
+    if per_group < 1:
+        raise ValueError(f"load_schedule: one layer ({kv_count * piece_bytes} bytes) does not fit a slot "
+                         f"of {slot_bytes} bytes")
+    ways = 1
+    if layer_wise and per_group < n_layers:
+        ways = max(1, min(stagger_ways, per_group, n_pages // min_part_pages))
+    sched = stagger_schedule(n_layers, per_group, ways)
+    if head:
+        sched = LoadSchedule([u._replace(layer_begin=u.layer_begin + head) for u in sched.units], sched.ready)
+    return sched, way_bounds(n_pages, ways)

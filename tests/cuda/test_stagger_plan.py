@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.transfer.staged import plan_group, stagger_schedule, way_bounds, with_slot_base
+from hicache.transfer.staged import load_schedule, plan_group, stagger_schedule, way_bounds, with_slot_base
 
 
 def test_one_way_is_the_plain_grouping() -> None:
@@ -160,3 +160,30 @@ def test_lanes_only_where_hardware_queues_suffice(queues: str | None, lanes: int
     else:
         monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", queues)
     assert default_stage_lanes() == (STAGE_LANES if lanes > 1 else 1)
+
+
+KIB = 1 << 10
+
+
+def test_load_schedule_layer_wise_whole_and_head() -> None:
+    """32 layers of 4 KiB K/V pieces, 64 KiB runs, 16 MiB slots, 1,000 pages."""
+    args = (32, 2, 4 * KIB, 64 * KIB, 16 << 20, 1000, 4, 32)
+    sched, bounds = load_schedule(*args)  # layer-wise: groups of 8, staggered 4 ways
+    assert len(bounds) == 4 and bounds[0] == (0, 250) and bounds[-1] == (750, 1000)
+    assert sched == stagger_schedule(32, 8, 4)
+    sched, bounds = load_schedule(*args, layer_wise=False)  # whole pages, one part
+    assert bounds == [(0, 1000)] and [tuple(u) for u in sched.units] == [(0, 0, 32)] and sched.ready == [0] * 32
+    sched, bounds = load_schedule(*args, head=3)  # layers 3-31: numbered from layer 3, offset back
+    plain = stagger_schedule(29, 8, 4)
+    assert [(u.way, u.layer_begin - 3, u.n_layers) for u in sched.units] == [tuple(u) for u in plain.units]
+    assert sched.ready == plain.ready and len(bounds) == 4
+    # too few pages for 4 parts of at least 32: 2 parts
+    assert len(load_schedule(32, 2, 4 * KIB, 64 * KIB, 16 << 20, 70, 4, 32)[1]) == 2
+    # a whole page does not fit the slot: the largest group that does, still not staggered
+    sched, bounds = load_schedule(32, 2, 4 * KIB, 64 * KIB, 100 * KIB, 1000, 4, 32, layer_wise=False)
+    assert bounds == [(0, 1000)] and {u.n_layers for u in sched.units} <= {12, 8}
+    # one layer group anyway (8 layers of 4 KiB make 64 KiB): never staggered
+    sched, bounds = load_schedule(8, 2, 4 * KIB, 64 * KIB, 16 << 20, 1000, 4, 32)
+    assert bounds == [(0, 1000)] and len(sched.units) == 1
+    with pytest.raises(ValueError, match="does not fit"):
+        load_schedule(32, 2, 1 << 20, 64 * KIB, 1 << 20, 10, 4, 32)
