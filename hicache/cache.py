@@ -124,7 +124,7 @@ class HiCache:
         # unregisters it on close, so tens of GB are pinned once, without torch's caching allocator.
         pin = False if (c.device.startswith("cuda") and c.io_backend != "cpu") else None
         self.host_pool = HostPool(self.layout, max(config.l2_pages, 1), c.host_layout,  # type: ignore[arg-type]
-                                  pin_memory=pin)
+                                  pin_memory=pin, block_pages=c.host_block_pages)
         self.has_l2 = config.l2_pages > 0
         io = c.io_backend
         if io in ("kernel", "copy_engine", "staged"):

@@ -21,7 +21,7 @@ import yaml
 
 from hicache.eviction import policy_names
 from hicache.keys import Namespace
-from hicache.layout import DTYPES, KVLayout
+from hicache.layout import DTYPES, HOST_LAYOUTS, KVLayout
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -90,7 +90,8 @@ class CacheConfig:
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     l1_tokens: int = 65536  # L1 (device) capacity in tokens, rounded down to whole pages
     l2_tokens: int = 262144  # L2 (host) capacity in tokens; 0 disables L2
-    host_layout: str = "page_first"
+    host_layout: str = "page_first"  # page_first | layer_first | block_first (hicache.pool)
+    host_block_pages: int = 0  # block_first: pages per block; 0 = the fewest whose per-layer run is 64 KiB
     write_policy: str = "write_through_selective"
     eviction_policy: str = "reuse_lru"  # LRU, learned one-off leaves first (hicache.eviction.ReuseLRU)
     io_backend: str = "auto"  # auto | cpu | kernel | copy_engine | staged
@@ -100,8 +101,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _require(self.l1_tokens >= 1, "cache.l1_tokens", ">= 1", self.l1_tokens)
         _require(self.l2_tokens >= 0, "cache.l2_tokens", ">= 0", self.l2_tokens)
-        _require(self.host_layout in ("page_first", "layer_first"), "cache.host_layout",
-                 "'page_first' or 'layer_first'", self.host_layout)
+        _require(self.host_layout in HOST_LAYOUTS, "cache.host_layout", f"one of {HOST_LAYOUTS}",
+                 self.host_layout)
+        _require(self.host_block_pages >= 0, "cache.host_block_pages", ">= 0", self.host_block_pages)
         _require(self.write_policy in WRITE_POLICIES, "cache.write_policy", f"one of {WRITE_POLICIES}",
                  self.write_policy)
         names = policy_names()

@@ -17,6 +17,9 @@ from typing import Literal
 
 import torch
 
+# L2 (host pool) layouts; see hicache.pool
+HOST_LAYOUTS: tuple[str, ...] = ("page_first", "layer_first", "block_first")
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,

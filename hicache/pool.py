@@ -1,10 +1,20 @@
-"""Page pools: L1 (device, layer-first) and L2 (host, page-first or layer-first), with free-list allocators.
+"""Page pools: L1 (device, layer-first) and L2 (host, page-first, layer-first or block-first), with free-list
+allocators.
 
-Tensor shapes (P = pages, S = page_size, H = KV heads, D = head dim, L = layers, C = 2 for MHA / 1 for MLA):
+Tensor shapes (P = pages, S = page_size, H = KV heads, D = head dim, L = layers, C = 2 for MHA / 1 for MLA,
+B = pages per block):
 
 * ``DevicePool.kv[layer][c]`` : ``[P, S, H, D]`` -- what paged attention reads (one K and one V per layer).
 * ``HostPool`` page-first     : ``[P, L, C, S, H, D]`` -- one page is one contiguous object (L3 I/O).
 * ``HostPool`` layer-first    : ``[L, C, P, S, H, D]``.
+* ``HostPool`` block-first    : ``[P / B, L, C, B, S, H, D]`` -- layer-first within blocks of ``B``
+  consecutive pages. One layer's K (or V) of a run of consecutive pages in a block is one contiguous
+  run of host memory, so a layer-wise load of small pieces moves each layer as a few large DMA copies
+  (the CUDA engine's staged path) instead of grouping layers; a page's bytes are ``L * C`` pieces
+  ``B`` pieces apart. The allocator hands out runs of consecutive pages where it can.
+
+All three are the same 7-D view ``[P / B, L, C, B, S, H, D]`` (``HostPool.blocks``): page-first is
+``B = 1``, layer-first ``B = P``; page ``h`` is block ``h // B``, position ``h % B``.
 
 The allocator hands out page indices; it knows which pages are free and which are out. Who holds an out
 page (the tree, a request, a transfer in flight) is the cache's business; the cache's
@@ -19,9 +29,21 @@ from typing import Literal
 import numpy as np
 import torch
 
-from hicache.layout import KVLayout
+from hicache.layout import HOST_LAYOUTS, KVLayout
 
-HostLayout = Literal["page_first", "layer_first"]
+HostLayout = Literal["page_first", "layer_first", "block_first"]
+# block-first's default block: the fewest pages (a power of two, at most MAX_BLOCK_PAGES) whose
+# per-layer K or V run reaches the copy engine's full-rate copy size
+BLOCK_RUN_BYTES = 64 << 10
+MAX_BLOCK_PAGES = 64
+
+
+def default_block_pages(piece_bytes: int) -> int:
+    """Pages per block of a block-first pool of ``piece_bytes`` pieces (see ``BLOCK_RUN_BYTES``)."""
+    b = 1
+    while b * piece_bytes < BLOCK_RUN_BYTES and b < MAX_BLOCK_PAGES:
+        b *= 2
+    return b
 
 
 class PageAllocator:
@@ -133,7 +155,12 @@ class DevicePool:
 
 
 class HostPool:
-    """L2: host page tensor, pinned when CUDA is present, page-first by default."""
+    """L2: host page tensor, pinned when CUDA is present, page-first by default.
+
+    ``block_pages`` (block-first only; 0 picks :func:`default_block_pages`) is the block size ``B``;
+    the buffer holds whole blocks, so its last block may have pages past ``num_pages`` that are never
+    handed out. ``host_keys`` maps page indices to the piece offsets the copy planners and kernels use.
+    """
 
     def __init__(
         self,
@@ -141,9 +168,12 @@ class HostPool:
         num_pages: int,
         host_layout: HostLayout = "page_first",
         pin_memory: bool | None = None,
+        block_pages: int = 0,
     ) -> None:
-        if host_layout not in ("page_first", "layer_first"):
-            raise ValueError(f"host_layout: must be 'page_first' or 'layer_first', got {host_layout!r}")
+        if host_layout not in HOST_LAYOUTS:
+            raise ValueError(f"host_layout: must be one of {HOST_LAYOUTS}, got {host_layout!r}")
+        if block_pages < 0:
+            raise ValueError(f"block_pages: must be >= 0, got {block_pages}")
         self.layout = layout
         self.num_pages = num_pages
         self.host_layout: HostLayout = host_layout
@@ -151,30 +181,78 @@ class HostPool:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         L, C, (S, H, D) = layout.num_layers, layout.kv_count, layout.page_shape
-        shape = (num_pages, L, C, S, H, D) if host_layout == "page_first" else (L, C, num_pages, S, H, D)
+        if host_layout == "page_first":
+            self.block_pages = 1
+            shape: tuple[int, ...] = (num_pages, L, C, S, H, D)
+        elif host_layout == "layer_first":
+            self.block_pages = num_pages
+            shape = (L, C, num_pages, S, H, D)
+        else:
+            self.block_pages = block_pages or default_block_pages(layout.bytes_per_layer_piece)
+            shape = (-(-num_pages // self.block_pages), L, C, self.block_pages, S, H, D)
+        self.num_blocks = -(-num_pages // self.block_pages)
         self.buffer = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=pin_memory)
         self.pinned = pin_memory
+        # [P / B, L, C, B, S, H, D] over the same memory, for every layout
+        self.blocks = self.buffer.view(self.num_blocks, L, C, self.block_pages, S, H, D)
 
     @property
     def nbytes(self) -> int:
         return self.num_pages * self.layout.bytes_per_page
 
+    @property
+    def piece_strides(self) -> tuple[int, int]:
+        """``(page, lc)`` strides in pieces between ``host_keys`` units: the piece of page ``h``, layer
+        ``l``, K/V ``c`` is ``host_keys(h) * page + (l * C + c) * lc`` pieces into the buffer."""
+        L, C = self.layout.num_layers, self.layout.kv_count
+        if self.host_layout == "page_first":
+            return L * C, 1
+        return 1, self.block_pages
+
+    def host_keys(self, pages: np.ndarray) -> np.ndarray:
+        """Each page's offset key (int64): the page index for page-first and layer-first pools; for
+        block-first, its offset in pieces, ``(h // B) * L * C * B + h % B``, so that consecutive pages in
+        a block have consecutive keys (:attr:`piece_strides` is then ``(1, B)``)."""
+        h = np.asarray(pages, dtype=np.int64)
+        if self.host_layout != "block_first":
+            return h
+        B = self.block_pages
+        span = self.layout.num_layers * self.layout.kv_count * B
+        return (h // B) * span + h % B
+
+    def _pieces(self, layer: int, c: int) -> torch.Tensor:
+        return self.blocks.view(torch.uint8)[:, layer, c]  # [P / B, B, S, H, D * element size]
+
+    def read_pieces(self, layer: int, c: int, pages: torch.Tensor) -> torch.Tensor:
+        """The bytes (``uint8 [n, S, H, D * element size]``, a copy) of layer ``layer``'s K (c=0) / V (c=1)
+        of ``pages`` (int64 tensor). Bytes, so that every dtype copies exactly (float8 included)."""
+        B = self.block_pages
+        return self._pieces(layer, c)[pages // B, pages % B]
+
+    def write_pieces(self, layer: int, c: int, pages: torch.Tensor, src: torch.Tensor) -> None:
+        """Write ``src`` (bytes as :meth:`read_pieces` returns them) into layer ``layer``'s K / V of
+        ``pages`` (int64 tensor)."""
+        B = self.block_pages
+        self._pieces(layer, c)[pages // B, pages % B] = src
+
     def layer_view(self, layer: int, c: int) -> torch.Tensor:
-        """``[P, S, H, D]`` view of one layer's K (c=0) / V (c=1) across all pages (strided if page-first)."""
+        """``[P, S, H, D]`` view of one layer's K (c=0) / V (c=1) across all pages (strided if page-first).
+        Page-first and layer-first only: a block-first layer is not one view (``ValueError``)."""
         if self.host_layout == "page_first":
             return self.buffer[:, layer, c]
-        return self.buffer[layer, c]
+        if self.host_layout == "layer_first":
+            return self.buffer[layer, c]
+        raise ValueError("layer_view: a block-first pool has no single view of a layer; use read_pieces")
+
+    def _page(self, page: int) -> torch.Tensor:
+        return self.blocks[page // self.block_pages, :, :, page % self.block_pages]  # [L, C, S, H, D]
 
     def page_bytes(self, page: int) -> bytes:
         """One page's bytes in canonical page-first order ``[L, C, S, H, D]`` (L3 payload)."""
-        if self.host_layout == "page_first":
-            t = self.buffer[page]
-        else:
-            t = self.buffer[:, :, page].contiguous()
-        return t.view(torch.uint8).numpy().tobytes()
+        return self._page(page).contiguous().view(torch.uint8).numpy().tobytes()
 
     def page_view(self, page: int) -> memoryview:
-        """Zero-copy view of one page's bytes (page-first only; layer-first raises ValueError)."""
+        """Zero-copy view of one page's bytes (page-first only; other layouts raise ValueError)."""
         if self.host_layout != "page_first":
             raise ValueError("page_view: zero-copy page views need host_layout='page_first'")
         return memoryview(self.buffer[page].view(torch.uint8).numpy().reshape(-1).data)
@@ -185,12 +263,9 @@ class HostPool:
             raise ValueError(f"page payload is {len(data)} bytes, layout needs {self.layout.bytes_per_page}")
         src = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.layout.torch_dtype)
         L, C, (S, H, D) = self.layout.num_layers, self.layout.kv_count, self.layout.page_shape
-        src = src.view(L, C, S, H, D)
-        if self.host_layout == "page_first":
-            self.buffer[page].copy_(src)
-        else:
-            self.buffer[:, :, page].copy_(src)
+        self._page(page).copy_(src.view(L, C, S, H, D))
 
     def release(self) -> None:
         """Drop the buffer (unpins it) so a long-lived process does not keep tens of GB pinned."""
         self.buffer = torch.empty(0, dtype=self.layout.torch_dtype)
+        self.blocks = self.buffer

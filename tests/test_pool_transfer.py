@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.layout import KVLayout
-from hicache.pool import DevicePool, HostPool, PageAllocator
+from hicache.pool import DevicePool, HostPool, PageAllocator, default_block_pages
 from hicache.transfer import create_engine
 from hicache.transfer.base import sorted_unique
 
@@ -57,13 +57,14 @@ def test_layout_bytes() -> None:
         KVLayout(2, 2, 4, "float64", 4)
 
 
-@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "block_first"])
 @pytest.mark.parametrize("attention,heads", [("mha", 2), ("mla", 1)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8", "float8_e4m3fn"])
 def test_cpu_transfer_round_trip(host_layout: str, attention: str, heads: int, dtype: str) -> None:
     layout = KVLayout(3, heads, 5, dtype, 3, attention)  # odd sizes on purpose
     dev = DevicePool(layout, 10)
-    host = HostPool(layout, 12, host_layout)  # type: ignore[arg-type]
+    # block-first: blocks of 4 pages, the last one partly past the pool's 13 pages
+    host = HostPool(layout, 13, host_layout, block_pages=4)  # type: ignore[arg-type]
     eng = create_engine("cpu", dev, host)
     try:
         g = torch.Generator().manual_seed(0)
@@ -71,7 +72,7 @@ def test_cpu_transfer_round_trip(host_layout: str, attention: str, heads: int, d
             for t in layer:
                 t.view(torch.uint8).copy_(torch.randint(0, 100, t.view(torch.uint8).shape, generator=g).to(torch.uint8))
         src = np.array([7, 2, 9, 0])
-        dst = np.array([11, 3, 5, 1])
+        dst = np.array([12, 3, 5, 1])
         eng.backup(src, dst).wait()
         for i, (s, d) in enumerate(zip(src, dst, strict=True)):
             page = host.page_bytes(int(d))
@@ -109,13 +110,50 @@ def test_transfer_rejects_bad_indices_and_copies_nothing() -> None:
 
 def test_host_page_bytes_round_trip_and_size_check() -> None:
     layout = KVLayout(2, 2, 3, "float16", 2)
-    for hl in ("page_first", "layer_first"):
+    for hl in ("page_first", "layer_first", "block_first"):
         host = HostPool(layout, 3, hl)  # type: ignore[arg-type]
         data = bytes(range(256)) * (layout.bytes_per_page // 256) + bytes(layout.bytes_per_page % 256)
         host.write_page_bytes(1, data)
         assert host.page_bytes(1) == data
         with pytest.raises(ValueError, match="bytes"):
             host.write_page_bytes(0, data[:-2])
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "block_first"])
+def test_host_keys_address_every_piece(host_layout: str) -> None:
+    """``host_keys`` and ``piece_strides`` locate each (page, layer, K/V) piece in the flat buffer, which is
+    how the copy planners and kernels address it."""
+    layout = KVLayout(3, 2, 4, "float16", 2)
+    host = HostPool(layout, 11, host_layout, block_pages=4)  # type: ignore[arg-type]
+    flat = host.buffer.view(torch.uint8).reshape(-1)
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+               .to(torch.uint8))
+    piece = layout.bytes_per_layer_piece
+    ps, lcs = host.piece_strides
+    pages = np.arange(11)
+    keys = host.host_keys(pages)
+    for layer in range(3):
+        for c in range(2):
+            got = host.read_pieces(layer, c, torch.from_numpy(pages)).reshape(11, -1)
+            for h in pages:
+                off = (int(keys[h]) * ps + (layer * 2 + c) * lcs) * piece
+                assert torch.equal(got[h], flat[off:off + piece]), (h, layer, c)
+            page = host.page_bytes(5)
+            i = (layer * 2 + c) * piece
+            assert page[i:i + piece] == got[5].numpy().tobytes()
+    if host_layout == "block_first":
+        assert host.block_pages == 4 and host.num_blocks == 3
+        assert keys[4] - keys[3] != 1 and keys[5] - keys[4] == 1  # consecutive within a block only
+        with pytest.raises(ValueError, match="block-first"):
+            host.layer_view(0, 0)
+
+
+def test_default_block_pages_reach_the_run_size() -> None:
+    assert default_block_pages(4096) == 16
+    assert default_block_pages(1000) == 64  # capped
+    assert default_block_pages(1 << 20) == 1
+    layout = KVLayout(2, 1, 64, "bfloat16", 16)  # 2 KiB pieces
+    assert HostPool(layout, 100, "block_first").block_pages == 32
 
 
 @settings(max_examples=200, deadline=None)

@@ -26,7 +26,7 @@ from hicache.config import (
     WRITE_POLICIES,
 )
 from hicache.eviction import policy_names
-from hicache.layout import DTYPES
+from hicache.layout import DTYPES, HOST_LAYOUTS
 from hicache.router.scoring import policy_names as router_policy_names
 
 SCHEMA_PATH = Path(__file__).resolve().parent / "hicache" / "values.schema.json"
@@ -99,7 +99,8 @@ def config_schema() -> Schema:
             "num_layers": integer(1), "num_kv_heads": integer(1), "head_dim": integer(1),
             "dtype": enum(sorted(DTYPES)), "page_size": integer(1), "attention": enum(["mha", "mla"])}),
         "cache": obj({
-            "l1_tokens": integer(1), "l2_tokens": integer(0), "host_layout": enum(["page_first", "layer_first"]),
+            "l1_tokens": integer(1), "l2_tokens": integer(0), "host_layout": enum(list(HOST_LAYOUTS)),
+            "host_block_pages": integer(0),
             "write_policy": enum(WRITE_POLICIES), "eviction_policy": enum(policy_names()),
             "io_backend": enum(IO_BACKENDS),
             "transfer_options": obj({**{k: integer(low) for k, low in TRANSFER_INT_OPTIONS.items()},

@@ -77,12 +77,11 @@ class CpuTransferEngine(TransferEngine):
                 for layer in range(L):
                     for c in range(C):
                         # byte views: exact for every dtype (float8 has no CPU index_copy_)
-                        h_view = host.layer_view(layer, c).view(torch.uint8)
                         d_view = dev.kv[layer][c].view(torch.uint8)
                         if to_device:
-                            d_view.index_copy_(0, d.to(dev.device), h_view[s].to(dev.device))
+                            d_view.index_copy_(0, d.to(dev.device), host.read_pieces(layer, c, s).to(dev.device))
                         else:
-                            h_view[d] = d_view[s.to(dev.device)].cpu()
+                            host.write_pieces(layer, c, d, d_view[s.to(dev.device)].cpu())
                     handle._set_layer(layer)
             except BaseException as e:  # surfaced to the waiter
                 handle._fail(e)

@@ -136,9 +136,11 @@ from hicache.transfer.cuda_tuning import (
 from hicache.transfer.resident import ResidentChunk, number_chunks
 from hicache.transfer.staged import (
     LoadSchedule,
+    StagedChunk,
     group_layers,
     load_schedule,
     plan_group,
+    plan_group_lc,
     with_slot_base,
 )
 
@@ -229,8 +231,8 @@ class CudaTransferEngine(TransferEngine):
             import cupy
         except ImportError as e:
             raise ValueError(f"transfer engine 'cuda' needs CuPy: {e}") from e
-        if io_backend == "staged" and host_pool.host_layout != "page_first":
-            raise ValueError("io_backend 'staged' needs a page_first host pool")
+        if staged_kernel == "resident" and host_pool.host_layout != "page_first":
+            raise ValueError("staged_kernel 'resident' needs a page_first host pool")
         if staging_bytes < STAGE_SLOTS:
             raise ValueError(f"staging_bytes: must be >= {STAGE_SLOTS}, got {staging_bytes}")
         if stagger_ways < 1:
@@ -309,10 +311,10 @@ class CudaTransferEngine(TransferEngine):
             host_base = int(cupy.cuda.runtime.hostGetDevicePointer(buf.data_ptr(), 0))
         except Exception:  # no such call in this CuPy, or memory not mapped
             host_base = buf.data_ptr()  # unified addressing: the host address is the device address
-        if host_pool.host_layout == "page_first":
-            hps, hlcs = L * C * piece, piece
-        else:
-            hps, hlcs = piece, host_pool.num_pages * piece
+        ps, lcs = host_pool.piece_strides  # host keys (HostPool.host_keys) address pages
+        hps, hlcs = ps * piece, lcs * piece
+        # not page-first: one (layer, K/V) of consecutive pages is contiguous, so stage lc-major
+        self.lc_major = host_pool.host_layout != "page_first"
         self.geometry = CopyGeometry(
             dev_ptrs=tuple(device_pool.kv[layer][c].data_ptr() for layer in range(L) for c in range(C)),
             host_base=host_base, host_page_stride=hps, host_lc_stride=hlcs, piece_bytes=piece, num_lc=L * C,
@@ -327,8 +329,7 @@ class CudaTransferEngine(TransferEngine):
             self._rt = CudaRuntime.get()
         self._stagers: dict[bool, Stager] = {}  # per direction (to_host), created on first use
         _, slot = self._slots(False)
-        self.can_stage = (host_pool.host_layout == "page_first" and self._rt is not None
-                          and group_layers(L, C, piece, 1, slot) > 0)
+        self.can_stage = self._rt is not None and group_layers(L, C, piece, 1, slot) > 0
         if io_backend == "staged" and not self.can_stage:
             raise ValueError(f"io_backend 'staged': one layer of a page ({C * piece} bytes) does not fit a "
                              f"staging slot of {slot} bytes")
@@ -412,10 +413,10 @@ class CudaTransferEngine(TransferEngine):
     def plan(self, dev_idx: np.ndarray, host_idx: np.ndarray, lc_begin: int, n_lc: int, to_host: bool) -> CopyPlan:
         g = self.geometry
         return plan_copies(self._dev_ptrs_np, g.host_base, g.host_page_stride, g.host_lc_stride, g.piece_bytes,
-                           dev_idx, host_idx, lc_begin, n_lc, to_host)
+                           dev_idx, self.host_pool.host_keys(host_idx), lc_begin, n_lc, to_host)
 
     def choose_backend(self, dev_idx: np.ndarray, host_idx: np.ndarray) -> str:
-        """``kernel`` or ``copy_engine`` for this transfer under the configured ``io_backend``."""
+        """``kernel``, ``copy_engine`` or ``staged`` for this transfer under the configured ``io_backend``."""
         if self.io_backend != "auto":
             return self.io_backend
         if self._rt is None or len(dev_idx) == 0:
@@ -423,7 +424,22 @@ class CudaTransferEngine(TransferEngine):
         plan = self.plan(dev_idx, host_idx, 0, 1, False)
         if plan.nbytes / plan.n_copies >= self.ce_min_copy_bytes:
             return "copy_engine"
-        return "staged" if self.can_stage else "kernel"
+        if not self.can_stage:
+            return "kernel"
+        if self.lc_major:  # staged copies are runs of consecutive host pages: only long runs pay
+            return "staged" if self.mean_host_run_bytes(host_idx) >= self.ce_min_copy_bytes // 2 else "kernel"
+        return "staged"
+
+    def mean_host_run_bytes(self, host_idx: np.ndarray) -> float:
+        """Mean size of one (layer, K/V)'s run of pages that are contiguous in host memory: what an
+        lc-major staged copy moves. ``auto`` stages an lc-major transfer when this reaches half of
+        ``ce_min_copy_bytes`` (a block of 16 pages of 4 KiB pieces makes 64 KiB); shorter runs go
+        through the gather kernel, whose rate does not depend on them."""
+        keys = np.sort(self.host_pool.host_keys(host_idx))
+        if len(keys) == 0:
+            return 0.0
+        runs = 1 + int(np.count_nonzero(np.diff(keys) != 1))
+        return len(keys) * self.geometry.piece_bytes / runs
 
     # ------------------------------------------------------------------ submission
     def _hazards(self, host_pages: np.ndarray, dev_pages: np.ndarray, backup: bool) -> list[torch.cuda.Event]:
@@ -475,7 +491,7 @@ class CudaTransferEngine(TransferEngine):
                 self._inflight.append(_InFlight(staged_events[-1], host_pages, dev_pages, to_host, keep))
                 return CudaHandle(L, n, staged_events, backend, self.device, keep, sflags)
             if backend == "kernel":
-                idx_host = torch.from_numpy(np.stack([dev_idx, host_idx])).pin_memory()
+                idx_host = torch.from_numpy(np.stack([dev_idx, self.host_pool.host_keys(host_idx)])).pin_memory()
                 with torch.cuda.stream(stream):  # allocated on the stream that uses it
                     idx = torch.empty(idx_host.shape, dtype=torch.int64, device=self.device)
                 kern = self.backup_kernel if to_host else self.kernel
@@ -573,18 +589,19 @@ class CudaTransferEngine(TransferEngine):
         head = 0
         if not to_host and layer_wise and self.staged_kernel != "resident":
             head = self._head_layers(len(dev_idx), st)
-        # device pages; after them the host pages, which only the head's gather kernel reads
-        both = np.concatenate([dev_idx, host_idx]) if head else dev_idx
+        keys = self.host_pool.host_keys(host_idx)  # ascending, as host_idx
+        # device pages; after them the host keys, which only the head's gather kernel reads
+        both = np.concatenate([dev_idx, keys]) if head else dev_idx
         idx_host = torch.from_numpy(np.ascontiguousarray(both, dtype=np.int64)).pin_memory()
         with torch.cuda.stream(sst):  # allocated on the stream that uses it
             idx = torch.empty(idx_host.shape, dtype=torch.int64, device=self.device)
         # by a kernel, not a memcpy, which would queue behind bulk DMA in flight (see fetch_indices)
         self.stage_kernel.fetch_indices(sst.cuda_stream, idx_host.data_ptr(), idx.data_ptr(), idx.numel())
         if self.staged_kernel == "resident":
-            events, meta, flags = self._staged_resident(host_idx, to_host, stream, st, idx.data_ptr(), layer_wise)
+            events, meta, flags = self._staged_resident(keys, to_host, stream, st, idx.data_ptr(), layer_wise)
             return events, (idx_host, idx, *meta), flags
         if not to_host:
-            return (self._staged_load(host_idx, stream, st, idx.data_ptr(), head, layer_wise), (idx_host, idx),
+            return (self._staged_load(keys, stream, st, idx.data_ptr(), head, layer_wise), (idx_host, idx),
                     None)
         per_group = group_layers(L, C, piece, L * C * piece, st.slot_bytes)  # backups: whole pages
         dma = self._dma_streams(stream)
@@ -593,8 +610,7 @@ class CudaTransferEngine(TransferEngine):
         for l0 in range(0, L, per_group):
             ng = min(per_group, L - l0)
             ramp_up = STAGE_RAMP if l0 == 0 else 0
-            for ch in plan_group(g.host_base, g.host_page_stride, piece, C, host_idx, l0, ng, st.slot_bytes,
-                                 True, ramp_up, 0):
+            for ch in self._plan_chunks(keys, l0, ng, st.slot_bytes, True, ramp_up, 0):
                 s, base = st.take()
                 plan = with_slot_base(ch.plan, base, True)
                 lane = st.lane(s)
@@ -602,7 +618,7 @@ class CudaTransferEngine(TransferEngine):
                 if prev is not None:
                     lane.wait_event(prev)
                 self.stage_kernel.launch_staged(lane.cuda_stream, idx.data_ptr() + 8 * ch.i0, st.pos.data_ptr(),
-                                                ch.i1 - ch.i0, l0 * C, ng * C, True, base)
+                                                ch.i1 - ch.i0, l0 * C, ng * C, True, base, self.lc_major)
                 done = torch.cuda.Event()
                 done.record(lane)
                 out = dma.stream(k)
@@ -622,23 +638,34 @@ class CudaTransferEngine(TransferEngine):
         (backups) or the load lanes (loads)."""
         return DmaStreams(stream, self._backup_lanes if to_host else self._load_lanes)
 
+    def _plan_chunks(self, keys: np.ndarray, layer_begin: int, n_layers: int, slot_bytes: int, to_host: bool,
+                     ramp_up: int, ramp_down: int) -> list[StagedChunk]:
+        """The staged chunks of one layer group for host pages with ``keys``: page-major
+        (:func:`~hicache.transfer.staged.plan_group`) for a page-first pool, else lc-major
+        (:func:`~hicache.transfer.staged.plan_group_lc`)."""
+        g, C = self.geometry, self.layout.kv_count
+        if self.lc_major:
+            return plan_group_lc(g.host_base, g.host_page_stride, g.host_lc_stride, g.piece_bytes, C, keys,
+                                 layer_begin, n_layers, slot_bytes, to_host, ramp_up, ramp_down)
+        return plan_group(g.host_base, g.host_page_stride, g.piece_bytes, C, keys, layer_begin, n_layers,
+                          slot_bytes, to_host, ramp_up, ramp_down)
+
     def _staged_load(self, host_idx: np.ndarray, stream: torch.cuda.Stream, st: Stager,
                      idx_ptr: int, head: int = 0, layer_wise: bool = True) -> list[torch.cuda.Event]:
         """The load half of :meth:`_staged`: groups of layers, staggered over parts of the page list
         (:func:`~hicache.transfer.staged.stagger_schedule`).
 
-        ``host_idx`` is in host order and ``idx_ptr`` holds the matching device pages on the GPU (then,
-        when ``head`` > 0, the host pages). Each unit of the schedule is one part's pages for one group
-        of layers, moved slot by slot, each slot scattered on its lane; the stage stream then waits for
-        the unit's scatters and records an event, and layer ``i``'s event is that of the unit after
-        which every part holds it. The first ``head`` layers are not staged: the gather kernel copies
+        ``host_idx`` holds the host keys (``HostPool.host_keys``) in host order and ``idx_ptr`` the
+        matching device pages on the GPU (then, when ``head`` > 0, the host keys). Each unit of the
+        schedule is one part's pages for one group of layers (an lc-major pool: one layer of every page),
+        moved slot by slot, each slot scattered on its lane; the stage stream then waits for the unit's
+        scatters and records an event, and layer ``i``'s event is that of the unit after which every part
+        holds it. The first ``head`` layers are not staged: the gather kernel copies
         them from host memory, one launch and one event per layer, on the head stream, before the DMA of
         the others (:meth:`_head_layers`).
         """
         assert self._rt is not None
         L, C = self.layout.num_layers, self.layout.kv_count
-        g = self.geometry
-        piece = g.piece_bytes
         n = len(host_idx)
         sst = st.stream
         head_events: list[torch.cuda.Event] = []
@@ -663,8 +690,8 @@ class CudaTransferEngine(TransferEngine):
             lo, hi = bounds[u.way]
             ramp_down = STAGE_RAMP if ui == len(sched.units) - 1 else 0
             scattered: list[torch.cuda.Event] = []
-            for ch in plan_group(g.host_base, g.host_page_stride, piece, C, host_idx[lo:hi], u.layer_begin,
-                                 u.n_layers, st.slot_bytes, False, 0, ramp_down):
+            for ch in self._plan_chunks(host_idx[lo:hi], u.layer_begin, u.n_layers, st.slot_bytes, False, 0,
+                                        ramp_down):
                 s, base = st.take()
                 plan = with_slot_base(ch.plan, base, False)
                 out = dma.stream(k)
@@ -678,7 +705,8 @@ class CudaTransferEngine(TransferEngine):
                 lane = st.lane(s)
                 lane.wait_event(done)
                 self.stage_kernel.launch_staged(lane.cuda_stream, idx_ptr + 8 * (lo + ch.i0), st.pos.data_ptr(),
-                                                ch.i1 - ch.i0, u.layer_begin * C, u.n_layers * C, False, base)
+                                                ch.i1 - ch.i0, u.layer_begin * C, u.n_layers * C, False, base,
+                                                self.lc_major)
                 freed = torch.cuda.Event()
                 freed.record(lane)
                 st.free[s] = freed
@@ -712,7 +740,7 @@ class CudaTransferEngine(TransferEngine):
         whose first layer would otherwise be ready only once the first groups have landed."""
         L, C = self.layout.num_layers, self.layout.kv_count
         per_group = group_layers(L, C, self.geometry.piece_bytes, self.ce_min_copy_bytes, st.slot_bytes)
-        if per_group >= L or n == 0:
+        if per_group >= L or n == 0 or self.lc_major:  # lc-major loads go layer by layer already
             return 0
         return min(self.load_head_layers, L - 1)
 
@@ -721,7 +749,7 @@ class CudaTransferEngine(TransferEngine):
         """The schedule of a staged load of ``n`` pages (:func:`~hicache.transfer.staged.load_schedule`)."""
         return load_schedule(self.layout.num_layers, self.layout.kv_count, self.geometry.piece_bytes,
                              self.ce_min_copy_bytes, st.slot_bytes, n, self.stagger_ways, STAGGER_MIN_PAGES, head,
-                             layer_wise)
+                             layer_wise, self.lc_major)
 
     def _staged_resident(self, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream, st: Stager,
                          idx_ptr: int,

@@ -36,7 +36,13 @@ compute about as long as the load): 1.25x -> 1.15x of max(load, compute), for a 
 extra copies, and the short runs at each part's ends). Loads of a single group (whole pages) are not
 staggered: their runs of consecutive host pages merge into single copies.
 
-Planning is pure NumPy (:func:`plan_group`) and needs no GPU.
+Host pools that are not page-first (layer-first, and block-first: layer-first within blocks of consecutive
+pages) are staged *lc-major* instead (:func:`plan_group_lc`): a chunk's slot holds ``[layers x K/V][pages]
+[piece]``, and each (layer, K/V) of a run of pages that are consecutive in host memory is one copy. Runs,
+not layer groups, then make the copies large, so loads go one layer at a time, never staggered: layer
+``i`` is ready once ``i + 1`` layers' worth of the load has landed.
+
+Planning is pure NumPy (:func:`plan_group`, :func:`plan_group_lc`) and needs no GPU.
 """
 
 from __future__ import annotations
@@ -148,6 +154,53 @@ def plan_group(host_base: int, host_page_stride: int, piece_bytes: int, kv_count
     return chunks
 
 
+def plan_group_lc(host_base: int, host_page_stride: int, host_lc_stride: int, piece_bytes: int, kv_count: int,
+                  host_keys: np.ndarray, layer_begin: int, n_layers: int, slot_bytes: int, to_host: bool,
+                  ramp_up: int = 0, ramp_down: int = 0) -> list[StagedChunk]:
+    """Lc-major chunks of the layer group ``[layer_begin, layer_begin + n_layers)`` for host pages whose
+    keys (``HostPool.host_keys``, ascending) are ``host_keys``.
+
+    The piece of key ``k``, slot ``lc`` (``layer * kv_count + c``) is at ``host_base + k *
+    host_page_stride + lc * host_lc_stride``; ``host_page_stride`` must be the piece size, so pages with
+    consecutive keys are contiguous. A chunk of pages ``[i0, i1)`` (``m`` pages) lays the slot out as
+    ``[n_lc][m][piece]``: position ``i``'s piece of slot ``lc`` sits at offset ``((lc - lc_begin) * m +
+    i - i0) * piece``. Each (lc, run of consecutive keys within the chunk) is one copy; copies go chunk by
+    chunk, lc by lc, in host order. Chunk sizes as :func:`chunk_sizes`, at most as many pages as fit
+    ``slot_bytes``.
+    """
+    if host_page_stride != piece_bytes:
+        raise ValueError(f"plan_group_lc: pages {host_page_stride} bytes apart are not piece-contiguous "
+                         f"({piece_bytes}-byte pieces)")
+    keys = np.asarray(host_keys, dtype=np.int64)
+    n_lc = n_layers * kv_count
+    per_page = n_lc * piece_bytes
+    if n_lc <= 0 or per_page > slot_bytes:
+        raise ValueError(f"{n_layers} layers of a page ({per_page} bytes) do not fit a staging slot of "
+                         f"{slot_bytes} bytes")
+    n = len(keys)
+    sizes = chunk_sizes(n, slot_bytes // per_page, ramp_up, ramp_down)
+    brk = np.ones(n, dtype=bool)
+    if n > 1:
+        np.not_equal(np.diff(keys), 1, out=brk[1:])
+    lc_off = np.arange(n_lc, dtype=np.int64)
+    lc_abs = ((layer_begin * kv_count + lc_off) * host_lc_stride).astype(np.int64)
+    chunks = []
+    i0 = 0
+    for m in sizes:
+        b = brk[i0:i0 + m].copy()
+        b[0] = True
+        starts = np.flatnonzero(b)  # run starts, relative to the chunk
+        lengths = np.diff(np.append(starts, m))
+        host = (host_base + keys[i0 + starts] * host_page_stride)[None, :] + lc_abs[:, None]
+        slot = (lc_off[:, None] * m + starts[None, :]) * piece_bytes
+        size = np.broadcast_to(lengths * piece_bytes, host.shape)
+        h, sl, sz = (a.reshape(-1).astype(np.uint64) for a in (host, slot, size))
+        plan = CopyPlan(h, sl, sz) if to_host else CopyPlan(sl, h, sz)
+        chunks.append(StagedChunk(i0, i0 + m, plan))
+        i0 += m
+    return chunks
+
+
 def with_slot_base(plan: CopyPlan, slot_base: int, to_host: bool) -> CopyPlan:
     """``plan`` with its staging offsets turned into device addresses."""
     base = np.uint64(slot_base)
@@ -206,7 +259,7 @@ def stagger_schedule(num_layers: int, per_group: int, ways: int) -> LoadSchedule
 
 def load_schedule(num_layers: int, kv_count: int, piece_bytes: int, min_run_bytes: int, slot_bytes: int,
                   n_pages: int, stagger_ways: int, min_part_pages: int, head: int = 0,
-                  layer_wise: bool = True) -> tuple[LoadSchedule, list[tuple[int, int]]]:
+                  layer_wise: bool = True, lc_major: bool = False) -> tuple[LoadSchedule, list[tuple[int, int]]]:
     """The schedule of a staged load of ``n_pages`` pages and each part's page range (:func:`way_bounds`).
 
     The layers from ``head`` on go by groups of :func:`group_layers` (runs of at least
@@ -216,8 +269,22 @@ def load_schedule(num_layers: int, kv_count: int, piece_bytes: int, min_run_byte
     ready at once anyway, and whole-page runs of consecutive host pages merge into single copies, which
     staggering would split. Not ``layer_wise`` (the caller waits for the whole load): groups as large as a
     slot allows, whole pages where one fits, not staggered.
+
+    ``lc_major`` (:func:`plan_group_lc`: runs of pages, not layer groups, make the copies large): one
+    layer per group when ``layer_wise``, else as many layers as let all ``n_pages`` share a slot (at
+    least one); never staggered.
     """
     n_layers = num_layers - head
+    if lc_major:
+        per_layer = kv_count * piece_bytes
+        if per_layer > slot_bytes:
+            raise ValueError(f"load_schedule: one layer ({per_layer} bytes) does not fit a slot of "
+                             f"{slot_bytes} bytes")
+        g = 1 if layer_wise else max(1, min(n_layers, slot_bytes // (per_layer * max(n_pages, 1))))
+        sched = stagger_schedule(n_layers, g, 1)
+        if head:
+            sched = LoadSchedule([u._replace(layer_begin=u.layer_begin + head) for u in sched.units], sched.ready)
+        return sched, way_bounds(n_pages, 1)
     min_run = min_run_bytes if layer_wise else n_layers * kv_count * piece_bytes
     per_group = group_layers(n_layers, kv_count, piece_bytes, min_run, slot_bytes)
     if per_group < 1:

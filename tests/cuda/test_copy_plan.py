@@ -19,7 +19,7 @@ def _run(plan) -> None:
 
 def _pools(layout: KVLayout, n_dev: int, n_host: int, host_layout: str, rng: np.random.Generator):
     dev = DevicePool(layout, n_dev, "cpu")
-    host = HostPool(layout, n_host, host_layout, pin_memory=False)
+    host = HostPool(layout, n_host, host_layout, pin_memory=False, block_pages=8)
     host.buffer.view(torch.uint8).copy_(torch.from_numpy(rng.integers(0, 256, host.buffer.view(torch.uint8).shape,
                                                                       dtype=np.uint8)))
     for row in dev.kv:
@@ -32,12 +32,11 @@ def _geometry(dev: DevicePool, host: HostPool):
     layout = dev.layout
     L, C, piece = layout.num_layers, layout.kv_count, layout.bytes_per_layer_piece
     ptrs = np.array([dev.kv[layer][c].data_ptr() for layer in range(L) for c in range(C)], dtype=np.uint64)
-    if host.host_layout == "page_first":
-        return ptrs, L * C * piece, piece
-    return ptrs, piece, host.num_pages * piece
+    ps, lcs = host.piece_strides  # in pieces, between host keys
+    return ptrs, ps * piece, lcs * piece
 
 
-@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "block_first"])
 @pytest.mark.parametrize("layout", [KVLayout(3, 2, 4, "bfloat16", 3), KVLayout(2, 1, 5, "uint8", 3, "mla")],
                          ids=["mha-bf16", "mla-u8"])
 @pytest.mark.parametrize("contiguous", [False, True])
@@ -58,10 +57,12 @@ def test_plan_matches_reference(host_layout: str, layout: KVLayout, contiguous: 
     expect = [[dev.kv[layer][c].clone() for c in range(C)] for layer in range(L)]
     for layer in range(L):
         for c in range(C):
-            expect[layer][c][torch.from_numpy(d)] = host.layer_view(layer, c)[torch.from_numpy(h)]
-    plan = plan_copies(ptrs, base, hps, hlcs, piece, d, h, 0, L * C, to_host=False)
+            expect[layer][c].view(torch.uint8)[torch.from_numpy(d)] = host.read_pieces(layer, c, torch.from_numpy(h))
+    plan = plan_copies(ptrs, base, hps, hlcs, piece, d, host.host_keys(h), 0, L * C, to_host=False)
     if contiguous and host_layout == "layer_first":
         assert plan.n_copies == 2 * L * C  # two merged runs per slot
+    elif contiguous and host_layout == "block_first":  # runs 20-29 and 39-45 cut at blocks of 8
+        assert plan.n_copies == 4 * L * C
     elif host_layout == "page_first":
         assert plan.n_copies == n * L * C  # pieces of consecutive pages are not adjacent
     else:
@@ -72,17 +73,14 @@ def test_plan_matches_reference(host_layout: str, layout: KVLayout, contiguous: 
         for c in range(C):
             assert torch.equal(dev.kv[layer][c].view(torch.uint8), expect[layer][c].view(torch.uint8))
     # back up one slot range (the last layer) to other host pages
-    h2 = rng.permutation(50)[:n]
-    before = host.buffer.clone()
-    plan = plan_copies(ptrs, base, hps, hlcs, piece, d, h2, (L - 1) * C, C, to_host=True)
+    h2 = torch.from_numpy(rng.permutation(50)[:n])
+    before = host.blocks.view(torch.uint8).clone()
+    plan = plan_copies(ptrs, base, hps, hlcs, piece, d, host.host_keys(h2.numpy()), (L - 1) * C, C, to_host=True)
     _run(plan)
-    for layer in range(L):
-        for c in range(C):
-            got = host.layer_view(layer, c).view(torch.uint8)
-            ref = (before[:, layer, c] if host_layout == "page_first" else before[layer, c]).clone()
-            if layer == L - 1:
-                ref[torch.from_numpy(h2)] = dev.kv[layer][c][torch.from_numpy(d)]
-            assert torch.equal(got, ref.view(torch.uint8))
+    B = host.block_pages
+    for c in range(C):
+        before[:, L - 1, c][h2 // B, h2 % B] = dev.kv[L - 1][c].view(torch.uint8)[torch.from_numpy(d)]
+    assert torch.equal(host.blocks.view(torch.uint8), before)
 
 
 def test_plan_walks_host_memory_in_order() -> None:

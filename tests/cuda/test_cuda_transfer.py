@@ -43,7 +43,7 @@ def _pools(layout: KVLayout, n_dev: int, n_host: int, host_layout: str, seed: in
            pin: bool | None = None) -> tuple[DevicePool, HostPool]:
     gen = torch.Generator().manual_seed(seed)
     dev = DevicePool(layout, n_dev, "cuda")
-    host = HostPool(layout, n_host, host_layout, pin_memory=pin)
+    host = HostPool(layout, n_host, host_layout, pin_memory=pin, block_pages=4)  # blocks of 4 when block-first
     _rand_bytes(host.buffer, gen)
     for row in dev.kv:
         for t in row:
@@ -58,22 +58,26 @@ def _snapshot(dev: DevicePool) -> list[list[torch.Tensor]]:
     return [[t.view(torch.uint8).cpu() for t in row] for row in dev.kv]
 
 
-def _host_slot(buf: torch.Tensor, host_layout: str, layer: int, c: int) -> torch.Tensor:
-    return buf[:, layer, c] if host_layout == "page_first" else buf[layer, c]
+def _host_bytes(host: HostPool) -> torch.Tensor:
+    """The pool as bytes ``[P / B, L, C, B, S, H, D * element size]`` (every layout)."""
+    return host.blocks.view(torch.uint8)
 
 
 def _expect_load(dev_before, host: HostPool, d: np.ndarray, h: np.ndarray, slots: set[tuple[int, int]]):
     out = [[t.clone() for t in row] for row in dev_before]
     for layer, c in slots:
-        out[layer][c][torch.from_numpy(d)] = host.layer_view(layer, c).view(torch.uint8)[torch.from_numpy(h)]
+        out[layer][c][torch.from_numpy(d)] = host.read_pieces(layer, c, torch.from_numpy(h))
     return out
 
 
-def _expect_backup(host_before: torch.Tensor, host_layout: str, dev_snap, d: np.ndarray, h: np.ndarray,
+def _expect_backup(host_before: torch.Tensor, block_pages: int, dev_snap, d: np.ndarray, h: np.ndarray,
                    slots: set[tuple[int, int]]) -> torch.Tensor:
+    """``host_before`` (:func:`_host_bytes`) with the pieces of device pages ``d`` written to host pages
+    ``h``."""
     out = host_before.clone()
+    ht = torch.from_numpy(h)
     for layer, c in slots:
-        _host_slot(out, host_layout, layer, c)[torch.from_numpy(h)] = dev_snap[layer][c][torch.from_numpy(d)]
+        out[:, layer, c][ht // block_pages, ht % block_pages] = dev_snap[layer][c][torch.from_numpy(d)]
     return out
 
 
@@ -91,14 +95,14 @@ def _indices(n: int, n_dev: int, n_host: int, seed: int) -> tuple[np.ndarray, np
 
 
 @pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged", "staged_resident"])
-@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "block_first"])
 @pytest.mark.parametrize(("layout", "width"), LAYOUTS, ids=IDS)
 def test_load_and_backup_match_torch(layout: KVLayout, width: int, host_layout: str, io_backend: str) -> None:
     n_dev, n_host, n = 37, 41, 23
     dev, host = _pools(layout, n_dev, n_host, host_layout, seed=1)
     kw = _backend_kw(io_backend)
     if io_backend.startswith("staged"):
-        if host_layout == "layer_first":
+        if host_layout != "page_first" and io_backend == "staged_resident":
             with pytest.raises(ValueError, match="page_first"):
                 create_engine("cuda", dev, host, **kw)
             return
@@ -113,6 +117,8 @@ def test_load_and_backup_match_torch(layout: KVLayout, width: int, host_layout: 
         every = {(layer, c) for layer in range(L) for c in range(C)}
         # load: layer by layer
         d, h = _indices(n, n_dev, n_host, seed=2)
+        if host_layout == "block_first":  # a run of consecutive pages across blocks, as allocated
+            h = np.random.default_rng(2).permutation(np.arange(5, 5 + n)).astype(np.int64)
         before = _snapshot(dev)
         handle = eng.load(h, d)
         handle.wait()
@@ -124,18 +130,18 @@ def test_load_and_backup_match_torch(layout: KVLayout, width: int, host_layout: 
                 assert torch.equal(got[layer][c], expect[layer][c]), (layer, c)
         # backup: every layer at once, to other host pages
         d, h = _indices(n, n_dev, n_host, seed=3)
-        hb = host.buffer.view(torch.uint8).clone()
+        hb = _host_bytes(host).clone()
         dsnap = _snapshot(dev)
         handle = eng.backup(d, h)
         handle.wait()
         assert handle.done()
-        assert torch.equal(host.buffer.view(torch.uint8), _expect_backup(hb, host_layout, dsnap, d, h, every))
+        assert torch.equal(_host_bytes(host), _expect_backup(hb, host.block_pages, dsnap, d, h, every))
     finally:
         eng.close()
 
 
 @pytest.mark.parametrize("launch", ["driver", "cupy"])
-@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "block_first"])
 @pytest.mark.parametrize(("layout", "width"), LAYOUTS[:3] + LAYOUTS[-1:], ids=IDS[:3] + IDS[-1:])
 def test_kernel_one_layer_and_all_layers(layout: KVLayout, width: int, host_layout: str, launch: str) -> None:
     """The raw kernel for one slot range and for all slots, both directions, launched through the driver
@@ -154,14 +160,14 @@ def test_kernel_one_layer_and_all_layers(layout: KVLayout, width: int, host_layo
             slots = {divmod(lc, C) for lc in range(lc_begin, lc_begin + n_lc)}
             for to_host in (False, True):
                 d, h = _indices(n, n_dev, n_host, seed=lc_begin * 7 + n_lc + int(to_host))
-                idx = torch.from_numpy(np.stack([d, h])).cuda()
-                before_dev, before_host = _snapshot(dev), host.buffer.view(torch.uint8).clone()
+                idx = torch.from_numpy(np.stack([d, host.host_keys(h)])).cuda()  # kernels address host keys
+                before_dev, before_host = _snapshot(dev), _host_bytes(host).clone()
                 eng.kernel.launch(stream.cuda_stream, idx.data_ptr(), idx.data_ptr() + n * 8, n, lc_begin, n_lc,
                                   to_host)
                 torch.cuda.synchronize()
                 if to_host:
-                    ref = _expect_backup(before_host, host_layout, before_dev, d, h, slots)
-                    assert torch.equal(host.buffer.view(torch.uint8), ref)
+                    ref = _expect_backup(before_host, host.block_pages, before_dev, d, h, slots)
+                    assert torch.equal(_host_bytes(host), ref)
                 else:
                     ref_dev = _expect_load(before_dev, host, d, h, slots)
                     got = _snapshot(dev)
@@ -377,7 +383,7 @@ def test_copy_engine_backup_fanned_over_streams(streams: int) -> None:
         assert len(eng._backup_lanes) == streams - 1
         d, h = _indices(n, n, 2 * n, seed=22)
         every = {(layer, c) for layer in range(layout.num_layers) for c in range(2)}
-        hb = host.buffer.view(torch.uint8).clone()
+        hb = _host_bytes(host).clone()
         dsnap = _snapshot(dev)
         torch.cuda._sleep(SLEEP_CYCLES)  # the backup queues behind compute; the load behind the backup
         back = eng.backup(d, h)
@@ -385,7 +391,7 @@ def test_copy_engine_backup_fanned_over_streams(streams: int) -> None:
         assert not back.done()
         load.wait()
         assert back.done()
-        assert torch.equal(host.buffer.view(torch.uint8), _expect_backup(hb, "layer_first", dsnap, d, h, every))
+        assert torch.equal(_host_bytes(host), _expect_backup(hb, host.block_pages, dsnap, d, h, every))
         for layer in range(layout.num_layers):
             for c in range(2):
                 got = dev.kv[layer][c][n:].view(torch.uint8).cpu()
@@ -465,19 +471,31 @@ def _load_checked_layer_by_layer(eng: Any, dev: DevicePool, host: HostPool, d: n
     return handle
 
 
-def test_auto_picks_staged_for_small_pieces_on_page_first_hosts() -> None:
-    layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces: 8 layers make a 64 KiB run per page
-    for host_layout, expect in (("page_first", "staged"), ("layer_first", "kernel")):
-        dev, host = _pools(layout, 48, 48, host_layout, seed=13)
+def test_auto_picks_staged_for_small_pieces_where_host_runs_are_long() -> None:
+    """4 KiB pieces: a page-first pool stages by groups of 8 layers (a 64 KiB run per page); a
+    block-first pool (blocks of 16) stages runs of consecutive pages one layer at a time; scattered
+    pages of a layer-first or block-first pool make 4 KiB copies, so the gather kernel moves them."""
+    layout = KVLayout(16, 2, 64, "bfloat16", 16)
+    cases = (("page_first", "staged", False), ("layer_first", "kernel", False), ("block_first", "kernel", False),
+             ("block_first", "staged", True))
+    for host_layout, expect, runs in cases:
+        gen = torch.Generator().manual_seed(13)
+        dev = DevicePool(layout, 48, "cuda")
+        host = HostPool(layout, 64, host_layout, block_pages=16)  # type: ignore[arg-type]
+        _rand_bytes(host.buffer, gen)
         eng = create_engine("cuda", dev, host, io_backend="auto")
         try:
-            d, h = _indices(40, 48, 48, seed=14)
-            assert eng.choose_backend(d, h) == expect
+            d, h = _indices(40, 48, 64, seed=14)
+            if runs:
+                h = np.arange(8, 48, dtype=np.int64)  # blocks 0-2: runs of 8, 16 and 16 pages
+            assert eng.choose_backend(d, h) == expect, host_layout
             handle = _load_checked_layer_by_layer(eng, dev, host, d, h)
             assert handle.backend == expect  # type: ignore[attr-defined]
-            if expect == "staged":  # two groups of 8 layers (40 pages: too few to stagger)
-                ev = handle.events  # type: ignore[attr-defined]
+            ev = handle.events  # type: ignore[attr-defined]
+            if expect == "staged" and host_layout == "page_first":  # two groups of 8 (too few pages to stagger)
                 assert ev[0] is ev[7] and ev[7] is not ev[8]
+            elif expect == "staged":  # lc-major: one event per layer
+                assert len({id(e) for e in ev}) == layout.num_layers
         finally:
             eng.close()
 
@@ -708,8 +726,8 @@ def test_staged_backups_to_the_same_host_pages_land_in_order(streams: int) -> No
         h1 = np.arange(1, n + 1, dtype=np.int64)
         h2 = np.arange(0, n + 1, dtype=np.int64)  # page 0 shifts every chunk boundary by one page
         every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
-        hb = host.buffer.view(torch.uint8).clone()
-        want = _expect_backup(hb, "page_first", _snapshot(dev), d2, h2, every)
+        hb = _host_bytes(host).clone()
+        want = _expect_backup(hb, host.block_pages, _snapshot(dev), d2, h2, every)
         held = eng._dma_streams(eng.backup_stream).all[1 % streams]  # type: ignore[attr-defined]
         with torch.cuda.stream(held):
             torch.cuda._sleep(SLEEP_CYCLES)  # the first backup's chunk 1 (host page 2) is written late
@@ -720,7 +738,7 @@ def test_staged_backups_to_the_same_host_pages_land_in_order(streams: int) -> No
         second.wait()
         first.wait()
         torch.cuda.synchronize()
-        assert torch.equal(host.buffer.view(torch.uint8), want)
+        assert torch.equal(_host_bytes(host), want)
     finally:
         eng.close()
 
@@ -746,13 +764,13 @@ def test_resident_staged_transfers_back_to_back(wrap: bool) -> None:
             h = rng.permutation(4 * n)[:n].astype(np.int64)
             _load_checked_layer_by_layer(eng, dev, host, d, h)
             d2, h2 = rng.permutation(4 * n)[:n].astype(np.int64), rng.permutation(4 * n)[:n].astype(np.int64)
-            hb = host.buffer.view(torch.uint8).clone()
+            hb = _host_bytes(host).clone()
             dsnap = _snapshot(dev)
             backs = [eng.backup(d2[i::2], h2[i::2]) for i in range(2)]
             for b in backs:
                 b.wait()
             every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
-            assert torch.equal(host.buffer.view(torch.uint8), _expect_backup(hb, "page_first", dsnap, d2, h2, every))
+            assert torch.equal(_host_bytes(host), _expect_backup(hb, host.block_pages, dsnap, d2, h2, every))
         if wrap:
             assert all(st.chunk_seq < 1 << 20 for st in eng._stagers.values())  # type: ignore[attr-defined]
     finally:
@@ -788,12 +806,12 @@ def test_resident_staged_failure_midway_releases_the_kernel(to_host: bool, monke
             monkeypatch.undo()
         eng.synchronize()  # would hang on a kernel still waiting for its flags
         _load_checked_layer_by_layer(eng, dev, host, d, h)
-        hb = host.buffer.view(torch.uint8).clone()
+        hb = _host_bytes(host).clone()
         dsnap = _snapshot(dev)
         d2, h2 = _indices(n, 2 * n, 2 * n, seed=42)
         eng.backup(d2, h2).wait()
         every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
-        assert torch.equal(host.buffer.view(torch.uint8), _expect_backup(hb, "page_first", dsnap, d2, h2, every))
+        assert torch.equal(_host_bytes(host), _expect_backup(hb, host.block_pages, dsnap, d2, h2, every))
     finally:
         eng.close()
 

@@ -3,10 +3,13 @@ slot addressing, reproduce the page-first host pieces exactly."""
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.transfer.staged import chunk_sizes, group_layers, plan_group, with_slot_base
+from hicache.layout import KVLayout
+from hicache.pool import HostPool
+from hicache.transfer.staged import chunk_sizes, group_layers, plan_group, plan_group_lc, with_slot_base
 
 
 def test_group_layers() -> None:
@@ -97,3 +100,97 @@ def test_chunk_sizes_cover_every_page(n: int, per: int, up: int, down: int) -> N
         assert sizes[0] == max(1, per >> up)
         if down:
             assert sizes[-down:] == [max(1, per >> k) for k in range(1, down + 1)]
+
+
+def _simulate_lc(L: int, C: int, piece: int, B: int, n_host: int, n_dev: int, h: np.ndarray, d: np.ndarray,
+                 g: int, slot: int, to_host: bool, rng: np.random.Generator,
+                 ramp: tuple[int, int] = (0, 0)) -> tuple[np.ndarray, np.ndarray, int]:
+    """A staged transfer of a block-first pool through :func:`plan_group_lc` and the kernel's lc-major
+    slot addressing (``launch_staged(..., lc_major=True)``); returns (got, expected, copies)."""
+    layout = KVLayout(L, 1, piece // 2, "float16", 1, "mla" if C == 1 else "mha")  # pieces of `piece` bytes
+    pool = HostPool(layout, n_host, "block_first", pin_memory=False, block_pages=B)
+    host = pool.buffer.view(torch.uint8).reshape(-1).numpy()
+    host[:] = rng.integers(0, 256, host.size, dtype=np.uint8)
+    ps, lcs = pool.piece_strides
+    dev = rng.integers(0, 256, (L * C, n_dev, piece), dtype=np.uint8)
+    host0, dev0 = host.copy(), dev.copy()
+    order = np.argsort(h)
+    h, d = h[order], d[order]
+    keys = pool.host_keys(h)
+    stage_base = 1 << 40
+    staging = np.zeros(slot, dtype=np.uint8)
+    copies = 0
+    for l0 in range(0, L, g):
+        ng = min(g, L - l0)
+        for ch in plan_group_lc(0, ps * piece, lcs * piece, piece, C, keys, l0, ng, slot, to_host, *ramp):
+            plan = with_slot_base(ch.plan, stage_base, to_host)
+            m = ch.i1 - ch.i0
+            base = stage_base - l0 * C * m * piece  # the kernel: slot page p, lc -> base + p*piece + lc*m*piece
+            cells = [(p, lc, base + p * piece + lc * m * piece - stage_base)
+                     for p in range(m) for lc in range(l0 * C, (l0 + ng) * C)]
+            if to_host:  # gather, then DMA out
+                for p, lc, a in cells:
+                    staging[a: a + piece] = dev[lc, d[ch.i0 + p]]
+            for dst, src, size in zip(plan.dst.tolist(), plan.src.tolist(), plan.size.tolist(), strict=True):
+                if to_host:
+                    host[dst: dst + size] = staging[src - stage_base: src - stage_base + size]
+                else:
+                    staging[dst - stage_base: dst - stage_base + size] = host[src: src + size]
+            copies += plan.n_copies
+            if not to_host:
+                for p, lc, a in cells:
+                    dev[lc, d[ch.i0 + p]] = staging[a: a + piece]
+    if to_host:
+        want_host = host0.copy()
+        pw = HostPool(layout, n_host, "block_first", pin_memory=False, block_pages=B)
+        pw.buffer.view(torch.uint8).reshape(-1).numpy()[:] = want_host
+        for i in range(len(h)):
+            for lc in range(L * C):
+                pw.write_pieces(lc // C, lc % C, torch.tensor([int(h[i])]),
+                                torch.from_numpy(dev0[lc, d[i]]).view(1, 1, 1, piece))
+        return host, pw.buffer.view(torch.uint8).reshape(-1).numpy(), copies
+    want = dev0.copy()
+    for i in range(len(h)):
+        for lc in range(L * C):
+            want[lc, d[i]] = pool.read_pieces(lc // C, lc % C, torch.tensor([int(h[i])])).reshape(-1).numpy()
+    return dev, want, copies
+
+
+@settings(max_examples=60, deadline=None)
+@given(L=st.integers(1, 4), C=st.integers(1, 2), piece=st.sampled_from([2, 16, 48]), n=st.integers(1, 14),
+       B=st.sampled_from([1, 2, 4, 8]), g=st.integers(1, 4), pages_per_slot=st.integers(1, 5),
+       to_host=st.booleans(), seed=st.integers(0, 2**16), ramp=st.tuples(st.integers(0, 3), st.integers(0, 3)))
+def test_lc_major_staging_moves_every_piece(L: int, C: int, piece: int, n: int, B: int, g: int, pages_per_slot: int,
+                                           to_host: bool, seed: int, ramp: tuple[int, int]) -> None:
+    """Loads and backups of a block-first pool through lc-major chunks land exactly the right pieces, and
+    touch nothing else; runs of consecutive pages in a block become one copy per (layer, K/V)."""
+    rng = np.random.default_rng(seed)
+    g = min(g, L)
+    n_host, n_dev = n + 5, n + 2
+    if seed % 2:  # runs of consecutive host pages, as the allocator hands them out
+        h = (np.arange(n) + rng.integers(0, 5)).astype(np.int64)
+    else:
+        h = rng.permutation(n_host)[:n].astype(np.int64)
+    d = rng.permutation(n_dev)[:n].astype(np.int64)
+    slot = pages_per_slot * g * C * piece
+    got, want, copies = _simulate_lc(L, C, piece, B, n_host, n_dev, h, d, g, slot, to_host, rng, ramp)
+    assert np.array_equal(got, want)
+    if seed % 2 and pages_per_slot >= n and ramp == (0, 0):  # one chunk per group: a copy per (lc, block)
+        blocks = len({(int(x) // B) for x in h})
+        assert copies == L * C * (1 if L * C == 1 else blocks)  # one layer's blocks abut each other
+
+
+def test_lc_major_runs_are_one_copy_per_layer_and_block() -> None:
+    """32 layers, 4 KiB pieces, blocks of 16: 64 consecutive pages load as 4 copies of 64 KiB per (layer,
+    K/V), and a one-layer chunk's slot is [K pages][V pages]."""
+    piece, B = 4 << 10, 16
+    keys = HostPool(KVLayout(32, 8, 128, "float16", 2), 128, "block_first", pin_memory=False,
+                    block_pages=B).host_keys(np.arange(16, 80))
+    chunks = plan_group_lc(0, piece, B * piece, piece, 2, keys, 5, 1, 16 << 20, False)
+    assert len(chunks) == 1 and chunks[0].plan.n_copies == 8
+    assert set(chunks[0].plan.size.tolist()) == {B * piece}
+    assert sorted(chunks[0].plan.dst.tolist()) == [i * B * piece for i in range(8)]
+    with pytest.raises(ValueError, match="piece-contiguous"):
+        plan_group_lc(0, 2 * piece, piece, piece, 2, keys, 0, 1, 1 << 20, False)
+    with pytest.raises(ValueError, match="do not fit"):
+        plan_group_lc(0, piece, B * piece, piece, 2, keys, 0, 2, 3 * piece, False)

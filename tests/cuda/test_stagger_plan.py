@@ -187,3 +187,18 @@ def test_load_schedule_layer_wise_whole_and_head() -> None:
     assert bounds == [(0, 1000)] and len(sched.units) == 1
     with pytest.raises(ValueError, match="does not fit"):
         load_schedule(32, 2, 1 << 20, 64 * KIB, 1 << 20, 10, 4, 32)
+
+
+def test_lc_major_load_schedule_goes_layer_by_layer() -> None:
+    """Lc-major staging (block-first or layer-first pools): one layer per unit when layer-wise, never
+    staggered, so layer i is ready after unit i; a whole load takes as many layers as share a slot."""
+    args = (32, 2, 4 * KIB, 64 * KIB, 16 << 20, 1000, 4, 32)
+    sched, bounds = load_schedule(*args, lc_major=True)
+    assert bounds == [(0, 1000)] and sched.ready == list(range(32))
+    assert [(u.layer_begin, u.n_layers) for u in sched.units] == [(i, 1) for i in range(32)]
+    sched, bounds = load_schedule(*args, layer_wise=False, lc_major=True)  # 1000 pages x 8 KiB: 2 layers a slot
+    assert bounds == [(0, 1000)] and {u.n_layers for u in sched.units} == {2} and len(sched.units) == 16
+    sched, _ = load_schedule(32, 2, 4 * KIB, 64 * KIB, 16 << 20, 10, 4, 32, layer_wise=False, lc_major=True)
+    assert len(sched.units) == 1  # a small load: every layer in one slot
+    with pytest.raises(ValueError, match="does not fit"):
+        load_schedule(32, 2, 1 << 20, 64 * KIB, 1 << 20, 10, 4, 32, lc_major=True)

@@ -43,7 +43,7 @@ def flip_stored_byte(b: object, key: bytes, offset: int) -> None:
 
 
 @pytest.mark.parametrize("backend_url", BACKENDS, indirect=True)
-@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "block_first"])
 def test_round_trip_is_byte_identical(backend_url, open_backend, host_layout) -> None:
     url, opts = backend_url
     b = open_backend(url, host_layout=host_layout, **opts)
