@@ -31,6 +31,12 @@ In one run (needs a CUDA GPU and CuPy):
    size also with chunk DMAs over 2 streams; or, with ``--overlap-variants``, the default staged path
    and the variants given, at every size asked.
 
+The L2 pool is page-first by default; ``--host-layout block_first`` (or ``layer_first``) runs every
+section on another layout. ``--host-pages allocated`` takes the host pages from an L2 allocator after
+churn (requests of about ``--alloc-run`` pages allocated and freed at random) instead of a random
+permutation: a block-first pool's staged copies are runs of consecutive pages, which random pages do
+not have. Device pages are random either way.
+
 Transfers are timed with CUDA events on the compute stream, which is held by ``torch.cuda._sleep`` while
 the host submits, so the figures are device time; host submission time is reported beside them.
 
@@ -60,7 +66,7 @@ import numpy as np
 import torch
 
 from hicache.layout import KVLayout
-from hicache.pool import DevicePool, HostPool
+from hicache.pool import DevicePool, HostPool, PageAllocator
 from hicache.transfer import TransferHandle, create_engine
 from hicache.transfer.copy_engine import CopyPlan, CudaRuntime
 from hicache.transfer.cuda import CudaTransferEngine
@@ -69,6 +75,43 @@ PIECES_KIB = (4, 16, 64, 256, 1024, 2048)
 SLEEP_CYCLES = 40_000_000  # ~20 ms: covers host submission so events time the device only
 GB = 1e9
 ENGINE_OPTIONS: dict[str, int] = {}  # --options: under every engine's own options
+HOST: dict[str, Any] = {"layout": "page_first", "pages": "random", "alloc_run": 64}  # --host-* options
+
+
+def allocated_pages(cap: int, n: int, rng: np.random.Generator, mean_run: int) -> np.ndarray:
+    """``n`` host pages as the L2 allocator hands them out to requests after churn.
+
+    A ``PageAllocator`` of ``cap`` pages is filled and then churned: allocations of a uniform
+    ``mean_run / 2 .. 3 * mean_run / 2`` pages each, with random earlier allocations freed whenever one
+    does not fit (harsher than LRU, which frees the oldest together). The transfer's pages are then
+    allocated the same way, request by request.
+    """
+    alloc = PageAllocator(cap)
+    live: list[np.ndarray] = []
+
+    def take(size: int) -> np.ndarray:
+        while alloc.free_pages < size and live:
+            alloc.free(live.pop(int(rng.integers(len(live)))))
+        got = alloc.alloc(size)
+        assert got is not None
+        return got
+
+    lo, hi = max(1, mean_run // 2), max(1, 3 * mean_run // 2)
+    for _ in range(max(8, 4 * cap // max(1, mean_run))):
+        live.append(take(int(rng.integers(lo, hi + 1))))
+    out: list[np.ndarray] = []
+    got = 0
+    while got < n:
+        a = take(min(n - got, int(rng.integers(lo, hi + 1))))  # held: never freed for a later one
+        out.append(a)
+        got += len(a)
+    return np.concatenate(out).astype(np.int64)
+
+
+def mean_run_pages(pages: np.ndarray) -> float:
+    """Mean length of the runs of consecutive page numbers in ``pages`` (as a set)."""
+    p = np.sort(pages)
+    return len(p) / (1 + int(np.count_nonzero(np.diff(p) != 1))) if len(p) else 0.0
 
 
 def ev() -> torch.cuda.Event:
@@ -158,7 +201,8 @@ def layout_for_piece(piece: int, num_layers: int) -> KVLayout:
 
 
 class Setup:
-    """Pools with random contents, and random page pairs moving ``total`` bytes per transfer."""
+    """Pools with random contents, and page pairs moving ``total`` bytes per transfer: random device
+    pages; host pages random or allocated (``HOST``), in an L2 pool of ``HOST["layout"]``."""
 
     def __init__(self, layout: KVLayout, total: int, seed: int = 0, spare: int = 2) -> None:
         self.layout = layout
@@ -166,14 +210,21 @@ class Setup:
         self.bytes = self.n * layout.bytes_per_page
         cap = spare * self.n
         self.dev = DevicePool(layout, cap, "cuda")
-        self.host = HostPool(layout, cap, "page_first")
+        self.host = HostPool(layout, cap, HOST["layout"])
         self.host.buffer.view(torch.uint8).random_(0, 256)
         for row in self.dev.kv:
             for t in row:
                 t.view(torch.uint8).random_(0, 256)
         rng = np.random.default_rng(seed)
         self.d = rng.permutation(cap)[: self.n].astype(np.int64)
-        self.h = rng.permutation(cap)[: self.n].astype(np.int64)
+        if HOST["pages"] == "allocated":
+            self.h = rng.permutation(allocated_pages(cap, self.n, rng, HOST["alloc_run"]))
+        else:
+            self.h = rng.permutation(cap)[: self.n].astype(np.int64)
+        self.mean_host_run = mean_run_pages(self.h)
+        print(f"  [{layout.bytes_per_layer_piece >> 10} KiB pieces, {layout.num_layers} layers: {self.n} pages, "
+              f"host {HOST['layout']} (blocks of {self.host.block_pages}), {HOST['pages']} host pages in runs "
+              f"of {self.mean_host_run:.1f} on average]", flush=True)
         self.d2 = np.setdiff1d(np.arange(cap), self.d)[: self.n]
         self.h2 = np.setdiff1d(np.arange(cap), self.h)[: self.n]
         torch.cuda.synchronize()
@@ -278,7 +329,8 @@ def bench_pieces(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[
         s = Setup(layout_for_piece(piece, args.layers), args.total_mib << 20, seed=kib)
         L = s.layout.num_layers
         for direction in ("h2d", "d2h"):
-            row: dict[str, Any] = {"piece_bytes": piece, "direction": direction, "bytes": s.bytes, "pages": s.n}
+            row: dict[str, Any] = {"piece_bytes": piece, "direction": direction, "bytes": s.bytes, "pages": s.n,
+                                   "host_layout": HOST["layout"], "mean_host_run_pages": s.mean_host_run}
             for backend in ("kernel", "copy_engine", "staged"):
                 eng = s.engine(io_backend=backend)
                 if direction == "h2d":
@@ -581,7 +633,8 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
                          "compute_ms": t_comp * 1e3, "overlapped_ms": t_over * 1e3, "ratio_vs_max": ratio,
                          "first_layer_ms": t_first * 1e3, "stall_ms": t_stall * 1e3,
                          "compute_beside_ms": t_beside * 1e3,
-                         "bytes": s.bytes})
+                         "bytes": s.bytes, "host_layout": HOST["layout"], "host_pages": HOST["pages"],
+                         "mean_host_run_pages": s.mean_host_run})
             print(f"32-layer overlap {piece >> 10:>3} KiB {backend:<11} {signal:<6} "
                   f"compute/load {t_comp / t_load:4.2f}: load {t_load * 1e3:6.2f} ms, "
                   f"compute {t_comp * 1e3:6.2f} ms, layer 0 at {t_first * 1e3:5.2f}, "
@@ -613,10 +666,16 @@ def main(argv: list[str] | None = None) -> int:
                         "staged variants (key=int[,key=int...] each) at every --overlap-pieces size")
     p.add_argument("--blocks-sweep", type=int, nargs="+", default=[4, 1, 2, 8])
     p.add_argument("--loop-cap", type=int, default=8192, help="most copies timed in the per-page loop")
+    p.add_argument("--host-layout", default="page_first", choices=["page_first", "layer_first", "block_first"],
+                   help="layout of the L2 pool in every section")
+    p.add_argument("--host-pages", default="random", choices=["random", "allocated"],
+                   help="host pages of each transfer: a random permutation, or as the allocator hands them out")
+    p.add_argument("--alloc-run", type=int, default=64, help="--host-pages allocated: mean pages per request")
     p.add_argument("--sections", nargs="+", default=["pieces", "gemm", "sdpa", "bidir", "overlap"],
                    choices=["pieces", "gemm", "sdpa", "bidir", "overlap"])
     args = p.parse_args(argv)
     ENGINE_OPTIONS.update(args.options)
+    HOST.update(layout=args.host_layout, pages=args.host_pages, alloc_run=args.alloc_run)
     if not torch.cuda.is_available():
         print("transfer_bandwidth: needs a CUDA GPU", file=sys.stderr)
         return 2
