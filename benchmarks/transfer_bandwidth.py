@@ -566,7 +566,7 @@ def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict
              ("staged", {"staged_kernel": "resident", "resident_blocks": 1})]),
     ]
     if args.overlap_variants:  # the default staged path, then each variant, at every piece size asked
-        plan = [(kib, [("staged", {}), *(("staged", kw) for kw in args.overlap_variants)])
+        plan = [(kib, [("staged", {}), *(("staged", kw) for kw in args.overlap_variants if kw)])
                 for kib in args.overlap_pieces]
     for kib, configs in plan:
         if kib in args.overlap_pieces:
@@ -663,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="section pieces: more staged columns, engine options key=int[,key=int...] each")
     p.add_argument("--overlap-variants", type=parse_variant, nargs="*", default=[],
                    help="section overlap: instead of the fixed set of paths, the default staged path and these "
-                        "staged variants (key=int[,key=int...] each) at every --overlap-pieces size")
+                        "staged variants (key=int[,key=int...] each; 'default' for none) at every "
+                        "--overlap-pieces size")
     p.add_argument("--blocks-sweep", type=int, nargs="+", default=[4, 1, 2, 8])
     p.add_argument("--loop-cap", type=int, default=8192, help="most copies timed in the per-page loop")
     p.add_argument("--host-layout", default="page_first", choices=["page_first", "layer_first", "block_first"],
