@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transfer_bandwidth import GB, Setup, ev, layout_for_piece, median, parse_variant
+from transfer_bandwidth import GB, HOST, Setup, ev, layout_for_piece, median, parse_variant
 
 from hicache.transfer.cuda import CudaTransferEngine
 
@@ -224,8 +224,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="the compute stream sleeps about this long while the host submits the burst (the JSON "
                         "has the host's submission time and when the GEMMs started)")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--host-layout", default="page_first", choices=["page_first", "layer_first", "block_first"],
+                   help="layout of the L2 pool")
+    p.add_argument("--host-pages", default="random", choices=["random", "allocated"],
+                   help="host pages: a random permutation, or as the allocator hands them out (transfer_bandwidth)")
     p.add_argument("--json", default="out/staged_timeline.json")
     args = p.parse_args(argv)
+    HOST.update(layout=args.host_layout, pages=args.host_pages)
     if not torch.cuda.is_available():
         print("staged_timeline: needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -489,6 +489,7 @@ def test_auto_picks_staged_for_small_pieces_where_host_runs_are_long() -> None:
             if runs:
                 h = np.arange(8, 48, dtype=np.int64)  # blocks 0-2: runs of 8, 16 and 16 pages
             assert eng.choose_backend(d, h) == expect, host_layout
+            assert eng.load_lanes == (1 if host_layout != "page_first" else eng.stage_lanes)  # lc-major: one
             handle = _load_checked_layer_by_layer(eng, dev, host, d, h)
             assert handle.backend == expect  # type: ignore[attr-defined]
             ev = handle.events  # type: ignore[attr-defined]
