@@ -141,6 +141,7 @@ from hicache.transfer.staged import (
     load_schedule,
     plan_group,
     plan_group_lc,
+    shift_layers,
     with_slot_base,
 )
 
@@ -610,13 +611,14 @@ class CudaTransferEngine(TransferEngine):
             return (self._staged_load(keys, stream, st, idx.data_ptr(), head, layer_wise), (idx_host, idx),
                     None)
         per_group = group_layers(L, C, piece, L * C * piece, st.slot_bytes)  # backups: whole pages
+        memo: dict[tuple[int, int, int, int], list[StagedChunk]] = {}
         dma = self._dma_streams(stream)
         st.begin()
         k = 0
         for l0 in range(0, L, per_group):
             ng = min(per_group, L - l0)
             ramp_up = STAGE_RAMP if l0 == 0 else 0
-            for ch in self._plan_chunks(keys, l0, ng, st.slot_bytes, True, ramp_up, 0):
+            for ch in self._plan_chunks(keys, l0, ng, st.slot_bytes, True, ramp_up, 0, memo):
                 s, base = st.take()
                 plan = with_slot_base(ch.plan, base, True)
                 lane = st.lane(s)
@@ -645,14 +647,25 @@ class CudaTransferEngine(TransferEngine):
         return DmaStreams(stream, self._backup_lanes if to_host else self._load_lanes)
 
     def _plan_chunks(self, keys: np.ndarray, layer_begin: int, n_layers: int, slot_bytes: int, to_host: bool,
-                     ramp_up: int, ramp_down: int) -> list[StagedChunk]:
+                     ramp_up: int, ramp_down: int,
+                     memo: dict[tuple[int, int, int, int], list[StagedChunk]] | None = None) -> list[StagedChunk]:
         """The staged chunks of one layer group for host pages with ``keys``: page-major
         (:func:`~hicache.transfer.staged.plan_group`) for a page-first pool, else lc-major
-        (:func:`~hicache.transfer.staged.plan_group_lc`)."""
+        (:func:`~hicache.transfer.staged.plan_group_lc`). With ``memo`` (one per transfer and page
+        list), lc-major runs are planned once per group shape and shifted to each layer group
+        (:func:`~hicache.transfer.staged.shift_layers`)."""
         g, C = self.geometry, self.layout.kv_count
         if self.lc_major:
-            return plan_group_lc(g.host_base, g.host_page_stride, g.host_lc_stride, g.piece_bytes, C, keys,
-                                 layer_begin, n_layers, slot_bytes, to_host, ramp_up, ramp_down)
+            if memo is None:
+                return plan_group_lc(g.host_base, g.host_page_stride, g.host_lc_stride, g.piece_bytes, C, keys,
+                                     layer_begin, n_layers, slot_bytes, to_host, ramp_up, ramp_down)
+            shape = (n_layers, slot_bytes, ramp_up, ramp_down)
+            base = memo.get(shape)
+            if base is None:
+                base = memo[shape] = plan_group_lc(g.host_base, g.host_page_stride, g.host_lc_stride,
+                                                   g.piece_bytes, C, keys, 0, n_layers, slot_bytes, to_host,
+                                                   ramp_up, ramp_down)
+            return shift_layers(base, layer_begin, C, g.host_lc_stride, to_host)
         return plan_group(g.host_base, g.host_page_stride, g.piece_bytes, C, keys, layer_begin, n_layers,
                           slot_bytes, to_host, ramp_up, ramp_down)
 
@@ -692,12 +705,13 @@ class CudaTransferEngine(TransferEngine):
         st.begin()
         k = 0
         landed: list[torch.cuda.Event] = []
+        memos: dict[tuple[int, int], dict[tuple[int, int, int, int], list[StagedChunk]]] = {}
         for ui, u in enumerate(sched.units):
             lo, hi = bounds[u.way]
             ramp_down = STAGE_RAMP if ui == len(sched.units) - 1 else 0
             scattered: list[torch.cuda.Event] = []
             for ch in self._plan_chunks(host_idx[lo:hi], u.layer_begin, u.n_layers, st.slot_bytes, False, 0,
-                                        ramp_down):
+                                        ramp_down, memos.setdefault((lo, hi), {})):
                 s, base = st.take()
                 plan = with_slot_base(ch.plan, base, False)
                 out = dma.stream(k)

@@ -201,6 +201,21 @@ def plan_group_lc(host_base: int, host_page_stride: int, host_lc_stride: int, pi
     return chunks
 
 
+def shift_layers(chunks: list[StagedChunk], layers: int, kv_count: int, host_lc_stride: int,
+                 to_host: bool) -> list[StagedChunk]:
+    """Lc-major ``chunks`` of one layer group moved ``layers`` layers on: host addresses are linear in
+    the layer, so the chunks of ``[b + layers, ...)`` are those of ``[b, ...)`` with every host address
+    ``layers * kv_count * host_lc_stride`` bytes further (slot offsets unchanged). A layer-wise load
+    plans its page runs once and shifts them for every layer."""
+    delta = np.uint64(layers * kv_count * host_lc_stride)
+    out = []
+    for ch in chunks:
+        p = ch.plan
+        plan = CopyPlan(p.dst + delta, p.src, p.size) if to_host else CopyPlan(p.dst, p.src + delta, p.size)
+        out.append(StagedChunk(ch.i0, ch.i1, plan))
+    return out
+
+
 def with_slot_base(plan: CopyPlan, slot_base: int, to_host: bool) -> CopyPlan:
     """``plan`` with its staging offsets turned into device addresses."""
     base = np.uint64(slot_base)

@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 
 from hicache.layout import KVLayout
 from hicache.pool import HostPool
-from hicache.transfer.staged import chunk_sizes, group_layers, plan_group, plan_group_lc, with_slot_base
+from hicache.transfer.staged import (
+    chunk_sizes,
+    group_layers,
+    plan_group,
+    plan_group_lc,
+    shift_layers,
+    with_slot_base,
+)
 
 
 def test_group_layers() -> None:
@@ -194,3 +201,19 @@ def test_lc_major_runs_are_one_copy_per_layer_and_block() -> None:
         plan_group_lc(0, 2 * piece, piece, piece, 2, keys, 0, 1, 1 << 20, False)
     with pytest.raises(ValueError, match="do not fit"):
         plan_group_lc(0, piece, B * piece, piece, 2, keys, 0, 2, 3 * piece, False)
+
+
+@pytest.mark.parametrize("to_host", [False, True])
+def test_shifted_lc_major_chunks_equal_planning_each_layer(to_host: bool) -> None:
+    """A layer-wise load plans its runs once and shifts them: the same copies as planning every layer."""
+    piece, B, L, C = 4 << 10, 16, 6, 2
+    pool = HostPool(KVLayout(L, 8, 128, "float16", 2), 200, "block_first", pin_memory=False, block_pages=B)
+    keys = pool.host_keys(np.sort(np.random.default_rng(1).permutation(200)[:90]))
+    args = (1 << 30, piece, B * piece, piece, C)
+    base = plan_group_lc(*args, keys, 0, 1, 40 * C * piece, to_host, 0, 2)
+    for layer in range(L):
+        want = plan_group_lc(*args, keys, layer, 1, 40 * C * piece, to_host, 0, 2)
+        got = shift_layers(base, layer, C, B * piece, to_host)
+        assert [(c.i0, c.i1) for c in got] == [(c.i0, c.i1) for c in want]
+        for a, b in zip(got, want, strict=True):
+            assert all(np.array_equal(x, y) for x, y in zip(a.plan, b.plan, strict=True))
