@@ -15,8 +15,11 @@ from hicache.storage.memory import MemoryBackend
 from kvhelpers import commit_fresh, kv_equal, read_kv, serve, small_config
 
 
-def test_round_trip_l1_l2_l3_bytes_identical(make_cache) -> None:
-    cache = make_cache(cache={"write_policy": "write_through"}, storage={"url": "memory://"})
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "block_first"])
+def test_round_trip_l1_l2_l3_bytes_identical(make_cache, host_layout: str) -> None:
+    cache = make_cache(cache={"write_policy": "write_through", "host_layout": host_layout, "host_block_pages": 4},
+                       storage={"url": "memory://"})
+    assert cache.host_pool.host_layout == host_layout
     tokens = list(range(1, 33))  # 8 pages
     kv = commit_fresh(cache, tokens, seed=1)
     cache.flush()

@@ -47,6 +47,8 @@ def test_yaml_env_and_overrides(tmp_path: Path) -> None:
         ({"cache": {"transfer_options": {"staging_bytes": "64M"}}}, "cache.transfer_options.staging_bytes"),
         ({"cache": {"transfer_options": {"layer_signal": "polling"}}}, "cache.transfer_options.layer_signal"),
         ({"cache": {"transfer_options": [1]}}, "cache.transfer_options"),
+        ({"cache": {"host_layout": "block"}}, "cache.host_layout"),
+        ({"cache": {"host_block_pages": -1}}, "cache.host_block_pages"),
     ],
 )
 def test_bad_values_name_the_field(data: dict, field: str) -> None:
