@@ -232,7 +232,9 @@ class CudaTransferEngine(TransferEngine):
             import cupy
         except ImportError as e:
             raise ValueError(f"transfer engine 'cuda' needs CuPy: {e}") from e
-        if staged_kernel == "resident" and host_pool.host_layout != "page_first":
+        # not page-first: one (layer, K/V) of consecutive pages is contiguous, so stage lc-major
+        self.lc_major = host_pool.host_layout != "page_first"
+        if staged_kernel == "resident" and self.lc_major:
             raise ValueError("staged_kernel 'resident' needs a page_first host pool")
         if staging_bytes < STAGE_SLOTS:
             raise ValueError(f"staging_bytes: must be >= {STAGE_SLOTS}, got {staging_bytes}")
@@ -260,7 +262,7 @@ class CudaTransferEngine(TransferEngine):
         # is one or two chunks, one lane keeps up, and more lanes take SMs from the compute beside them
         # (H200, 32-layer overlap of 4 KiB pieces: 1.04 / 1.09 / 1.05x of max(load, compute) on one lane,
         # 1.04 / 1.19 / 1.27x on 8)
-        lc_major_one_lane = stage_lanes is None and host_pool.host_layout != "page_first"
+        lc_major_one_lane = stage_lanes is None and self.lc_major
         if stage_lanes is None:
             stage_lanes = default_stage_lanes()
         if stage_lanes < 1:
@@ -320,8 +322,6 @@ class CudaTransferEngine(TransferEngine):
             host_base = buf.data_ptr()  # unified addressing: the host address is the device address
         ps, lcs = host_pool.piece_strides  # host keys (HostPool.host_keys) address pages
         hps, hlcs = ps * piece, lcs * piece
-        # not page-first: one (layer, K/V) of consecutive pages is contiguous, so stage lc-major
-        self.lc_major = host_pool.host_layout != "page_first"
         self.geometry = CopyGeometry(
             dev_ptrs=tuple(device_pool.kv[layer][c].data_ptr() for layer in range(L) for c in range(C)),
             host_base=host_base, host_page_stride=hps, host_lc_stride=hlcs, piece_bytes=piece, num_lc=L * C,
