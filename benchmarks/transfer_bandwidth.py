@@ -33,7 +33,8 @@ In one run (needs a CUDA GPU and CuPy):
 
 The L2 pool is page-first by default; ``--host-layout block_first`` (or ``layer_first``) runs every
 section on another layout. ``--host-pages allocated`` takes the host pages from an L2 allocator after
-churn (requests of about ``--alloc-run`` pages allocated and freed at random) instead of a random
+churn (requests of about ``--alloc-run`` pages allocated, and freed at random or, with ``--alloc-frees
+lru``, oldest first) instead of a random
 permutation: a block-first pool's staged copies are runs of consecutive pages, which random pages do
 not have. Device pages are random either way.
 
@@ -76,23 +77,24 @@ SLEEP_CYCLES = 40_000_000  # ~20 ms: covers host submission so events time the d
 OVERLAP_HOLD = 3 * SLEEP_CYCLES  # the overlap's loads may take longer to submit (printed beside)
 GB = 1e9
 ENGINE_OPTIONS: dict[str, int] = {}  # --options: under every engine's own options
-HOST: dict[str, Any] = {"layout": "page_first", "pages": "random", "alloc_run": 64}  # --host-* options
+HOST: dict[str, Any] = {"layout": "page_first", "pages": "random", "alloc_run": 64,
+                        "alloc_frees": "random"}  # --host-* and --alloc-* options
 
 
-def allocated_pages(cap: int, n: int, rng: np.random.Generator, mean_run: int) -> np.ndarray:
+def allocated_pages(cap: int, n: int, rng: np.random.Generator, mean_run: int, lru: bool = False) -> np.ndarray:
     """``n`` host pages as the L2 allocator hands them out to requests after churn.
 
     A ``PageAllocator`` of ``cap`` pages is filled and then churned: allocations of a uniform
-    ``mean_run / 2 .. 3 * mean_run / 2`` pages each, with random earlier allocations freed whenever one
-    does not fit (harsher than LRU, which frees the oldest together). The transfer's pages are then
-    allocated the same way, request by request.
+    ``mean_run / 2 .. 3 * mean_run / 2`` pages each, with earlier allocations freed whenever one does
+    not fit: random ones (the default, the harsh case), or the oldest first (``lru``, as LRU eviction
+    of whole requests would). The transfer's pages are then allocated the same way, request by request.
     """
     alloc = PageAllocator(cap)
     live: list[np.ndarray] = []
 
     def take(size: int) -> np.ndarray:
         while alloc.free_pages < size and live:
-            alloc.free(live.pop(int(rng.integers(len(live)))))
+            alloc.free(live.pop(0 if lru else int(rng.integers(len(live)))))
         got = alloc.alloc(size)
         assert got is not None
         return got
@@ -219,7 +221,8 @@ class Setup:
         rng = np.random.default_rng(seed)
         self.d = rng.permutation(cap)[: self.n].astype(np.int64)
         if HOST["pages"] == "allocated":
-            self.h = rng.permutation(allocated_pages(cap, self.n, rng, HOST["alloc_run"]))
+            self.h = rng.permutation(allocated_pages(cap, self.n, rng, HOST["alloc_run"],
+                                                     HOST["alloc_frees"] == "lru"))
         else:
             self.h = rng.permutation(cap)[: self.n].astype(np.int64)
         self.mean_host_run = mean_run_pages(self.h)
@@ -677,11 +680,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-pages", default="random", choices=["random", "allocated"],
                    help="host pages of each transfer: a random permutation, or as the allocator hands them out")
     p.add_argument("--alloc-run", type=int, default=64, help="--host-pages allocated: mean pages per request")
+    p.add_argument("--alloc-frees", default="random", choices=["random", "lru"],
+                   help="--host-pages allocated: which allocations the churn frees (random: the harsh case)")
     p.add_argument("--sections", nargs="+", default=["pieces", "gemm", "sdpa", "bidir", "overlap"],
                    choices=["pieces", "gemm", "sdpa", "bidir", "overlap"])
     args = p.parse_args(argv)
     ENGINE_OPTIONS.update(args.options)
-    HOST.update(layout=args.host_layout, pages=args.host_pages, alloc_run=args.alloc_run)
+    HOST.update(layout=args.host_layout, pages=args.host_pages, alloc_run=args.alloc_run,
+                alloc_frees=args.alloc_frees)
     if not torch.cuda.is_available():
         print("transfer_bandwidth: needs a CUDA GPU", file=sys.stderr)
         return 2

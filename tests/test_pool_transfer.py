@@ -161,3 +161,22 @@ def test_default_block_pages_reach_the_run_size() -> None:
 def test_sorted_unique_matches_numpy(values: list[int]) -> None:
     a = np.array(values, dtype=np.int64)
     assert np.array_equal(sorted_unique(a), np.unique(a))
+
+
+def test_allocator_hands_freed_runs_back_as_runs() -> None:
+    """Block-first L2 relies on runs of consecutive pages: a fresh pool hands out consecutive pages, and
+    a freed allocation comes back whole, in order, to the next one of its size (the free list is a stack)."""
+    a = PageAllocator(64)
+    first = a.alloc(20)
+    second = a.alloc(12)
+    assert first is not None and second is not None
+    assert np.array_equal(first, np.arange(20)) and np.array_equal(second, np.arange(20, 32))
+    a.free(first)
+    again = a.alloc(20)
+    assert again is not None and np.array_equal(again, np.arange(20))
+    a.free(second)
+    a.free(again)
+    both = a.alloc(32)  # the two freed runs, each still in order
+    assert both is not None and sorted(both.tolist()) == list(range(32))
+    assert np.count_nonzero(np.diff(both) != 1) <= 1
+    a.check_integrity()
