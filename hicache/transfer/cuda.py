@@ -47,7 +47,7 @@ I/O backends (``io_backend``):
 * ``copy_engine``: DMA copies, runs merged, ``cudaMemcpyBatchAsync`` where available; uses no SMs.
   A backup's copies fan out over ``backup_streams`` streams (default 4), which keeps device-to-host
   DMA near a contiguous copy's rate while compute loads HBM.
-* ``staged`` (page-first host pools): each page's bytes for a group of layers are contiguous on the
+* ``staged``: on a page-first host pool each page's bytes for a group of layers are contiguous on the
   host, so they move as one large DMA copy into a device staging slot, and a device-to-device kernel
   burst on a few SMs scatters them into the layer-first pool (backups: gather, then DMA). Small pieces
   then move at the copy engine's full rate. Loads go by groups of layers (the fewest whose run per page
@@ -67,6 +67,10 @@ I/O backends (``io_backend``):
   streams, as copy-engine backups do; a load's chunk DMAs go over ``load_streams`` streams (default 1).
   Each stream's queue on the device holds only so many copies before the call that adds one waits for
   the device to drain it: spreading raises how much a transfer can queue without blocking the host.
+  On a block-first or layer-first pool the staging is lc-major instead: one DMA copy per (layer, K/V,
+  run of consecutive host pages), loads one layer per unit, never staggered, scattered on one lane
+  unless ``stage_lanes`` is set (:func:`~hicache.transfer.staged.plan_group_lc`). Kernels and planners
+  address host pages by ``HostPool.host_keys``, which covers every layout with a page and a slot stride.
   See :mod:`hicache.transfer.staged`, and :mod:`hicache.transfer.cuda_tuning` for the defaults and what
   they were measured to do. ``load_head_layers`` (default 0) has the gather kernel (``head_blocks``
   blocks, default 16) copy a staged load's first layers from host memory, one event each, before the
