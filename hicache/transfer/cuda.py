@@ -652,17 +652,14 @@ class CudaTransferEngine(TransferEngine):
 
     def _plan_chunks(self, keys: np.ndarray, layer_begin: int, n_layers: int, slot_bytes: int, to_host: bool,
                      ramp_up: int, ramp_down: int,
-                     memo: dict[tuple[int, int, int, int], list[StagedChunk]] | None = None) -> list[StagedChunk]:
+                     memo: dict[tuple[int, int, int, int], list[StagedChunk]]) -> list[StagedChunk]:
         """The staged chunks of one layer group for host pages with ``keys``: page-major
         (:func:`~hicache.transfer.staged.plan_group`) for a page-first pool, else lc-major
-        (:func:`~hicache.transfer.staged.plan_group_lc`). With ``memo`` (one per transfer and page
-        list), lc-major runs are planned once per group shape and shifted to each layer group
+        (:func:`~hicache.transfer.staged.plan_group_lc`). ``memo`` is one per transfer and page list:
+        lc-major runs are planned once per group shape and shifted to each layer group
         (:func:`~hicache.transfer.staged.shift_layers`)."""
         g, C = self.geometry, self.layout.kv_count
         if self.lc_major:
-            if memo is None:
-                return plan_group_lc(g.host_base, g.host_page_stride, g.host_lc_stride, g.piece_bytes, C, keys,
-                                     layer_begin, n_layers, slot_bytes, to_host, ramp_up, ramp_down)
             shape = (n_layers, slot_bytes, ramp_up, ramp_down)
             base = memo.get(shape)
             if base is None:

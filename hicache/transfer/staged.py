@@ -290,23 +290,17 @@ def load_schedule(num_layers: int, kv_count: int, piece_bytes: int, min_run_byte
     least one); never staggered.
     """
     n_layers = num_layers - head
+    per_layer = kv_count * piece_bytes
     if lc_major:
-        per_layer = kv_count * piece_bytes
-        if per_layer > slot_bytes:
-            raise ValueError(f"load_schedule: one layer ({per_layer} bytes) does not fit a slot of "
-                             f"{slot_bytes} bytes")
-        g = 1 if layer_wise else max(1, min(n_layers, slot_bytes // (per_layer * max(n_pages, 1))))
-        sched = stagger_schedule(n_layers, g, 1)
-        if head:
-            sched = LoadSchedule([u._replace(layer_begin=u.layer_begin + head) for u in sched.units], sched.ready)
-        return sched, way_bounds(n_pages, 1)
-    min_run = min_run_bytes if layer_wise else n_layers * kv_count * piece_bytes
-    per_group = group_layers(n_layers, kv_count, piece_bytes, min_run, slot_bytes)
+        per_group = 0 if per_layer > slot_bytes else (
+            1 if layer_wise else max(1, min(n_layers, slot_bytes // (per_layer * max(n_pages, 1)))))
+    else:
+        min_run = min_run_bytes if layer_wise else n_layers * per_layer
+        per_group = group_layers(n_layers, kv_count, piece_bytes, min_run, slot_bytes)
     if per_group < 1:
-        raise ValueError(f"load_schedule: one layer ({kv_count * piece_bytes} bytes) does not fit a slot "
-                         f"of {slot_bytes} bytes")
+        raise ValueError(f"load_schedule: one layer ({per_layer} bytes) does not fit a slot of {slot_bytes} bytes")
     ways = 1
-    if layer_wise and per_group < n_layers:
+    if layer_wise and not lc_major and per_group < n_layers:
         ways = max(1, min(stagger_ways, per_group, n_pages // min_part_pages))
     sched = stagger_schedule(n_layers, per_group, ways)
     if head:
