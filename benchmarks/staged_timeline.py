@@ -170,7 +170,7 @@ def summarize(hooks: Hooks, origin: torch.cuda.Event, nbytes: int,
             "longest_host_call_ms": dict(hooks.host_ms)}
 
 
-def run_one(args: argparse.Namespace, s: Setup, variant: dict[str, int], gemm: Gemms, m: int) -> dict[str, Any]:
+def run_one(args: argparse.Namespace, s: Setup, variant: dict[str, int | str], gemm: Gemms, m: int) -> dict[str, Any]:
     eng = s.engine(**{"io_backend": "staged", "staging_bytes": args.staging_mib << 20, **variant})
     hooks = Hooks(eng)
 
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--direction", choices=["h2d", "d2h"], default="h2d")
     p.add_argument("--variants", type=parse_variant, nargs="+",
                    default=[{"stage_lanes": 1}, {}],
-                   help="engine options per variant, key=int[,key=int...] or 'default'; the first is the baseline")
+                   help="engine options per variant, key=value[,key=value...] or 'default'; the first is the baseline")
     p.add_argument("--piece-kib", type=int, default=4)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--total-mib", type=int, default=256, help="bytes per transfer")

@@ -76,7 +76,7 @@ PIECES_KIB = (4, 16, 64, 256, 1024, 2048)
 SLEEP_CYCLES = 40_000_000  # ~20 ms: covers host submission so events time the device only
 OVERLAP_HOLD = 3 * SLEEP_CYCLES  # the overlap's loads may take longer to submit (printed beside)
 GB = 1e9
-ENGINE_OPTIONS: dict[str, int] = {}  # --options: under every engine's own options
+ENGINE_OPTIONS: dict[str, int | str] = {}  # --options: under every engine's own options
 HOST: dict[str, Any] = {"layout": "page_first", "pages": "random", "alloc_run": 64,
                         "alloc_frees": "random"}  # --host-* and --alloc-* options
 
@@ -295,16 +295,17 @@ class PinnedCopy:
         torch.cuda.synchronize()
 
 
-def parse_variant(text: str) -> dict[str, int]:
-    """``"stage_lanes=8,backup_slots=16"`` -> keyword options (integers); ``"default"`` -> none."""
+def parse_variant(text: str) -> dict[str, int | str]:
+    """``"stage_lanes=8,lc_copies=pitched"`` -> keyword options (integers where the value is one);
+    ``"default"`` -> none."""
     if text == "default":
         return {}
-    out = {}
+    out: dict[str, int | str] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
-        if not sep or not value.lstrip("-").isdigit():
-            raise argparse.ArgumentTypeError(f"variant {text!r}: expected key=integer[,key=integer...]")
-        out[key.strip()] = int(value)
+        if not sep or not value:
+            raise argparse.ArgumentTypeError(f"variant {text!r}: expected key=value[,key=value...]")
+        out[key.strip()] = int(value) if value.lstrip("-").isdigit() else value.strip()
     return out
 
 
@@ -364,12 +365,17 @@ def bench_pieces(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[
                 extra += f"  staged whole {row['staged_whole_gbps']:5.1f} ({row['staged_whole_ratio']:.2f})"
             for kw in args.staged_variants:
                 eng = s.engine(io_backend="staged", **kw)
-                t, _ = time_device(partial(_load if direction == "h2d" else _backup, eng, s), L, args.reps)
-                eng.close()
+                t, sub = time_device(partial(_load if direction == "h2d" else _backup, eng, s), L, args.reps)
                 name = ",".join(f"{k}={v}" for k, v in kw.items()) or "default"
                 gbps = s.bytes / t / GB
-                row.setdefault("staged_variants", {})[name] = {"gbps": gbps, "ratio": gbps / c}
-                extra += f"  staged {name} {gbps:5.1f} ({gbps / c:.2f})"
+                var = {"gbps": gbps, "ratio": gbps / c, "submit_ms": sub * 1e3}
+                extra += f"  staged {name} {gbps:5.1f} ({gbps / c:.2f}, submit {sub * 1e3:.1f} ms)"
+                if direction == "h2d":
+                    t, _ = time_device(partial(_load_whole, eng, s), L, args.reps)
+                    var |= {"whole_gbps": s.bytes / t / GB, "whole_ratio": s.bytes / t / GB / c}
+                    extra += f" whole {var['whole_gbps']:5.1f} ({var['whole_ratio']:.2f})"
+                eng.close()
+                row.setdefault("staged_variants", {})[name] = var
             rows.append(row)
             print(f"piece {kib:>5} KiB {direction}: kernel {row['kernel_gbps']:5.1f} GB/s "
                   f"({row['kernel_ratio']:.2f})  copy-engine {row['copy_engine_gbps']:5.1f} "
@@ -665,13 +671,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gemms", type=int, default=12,
                    help="compute steps per slowdown sample (8192^3 GEMMs, or SDPA calls)")
     p.add_argument("--options", type=parse_variant, default={},
-                   help="engine options key=int[,key=int...] for every engine of the run (a row's own options "
+                   help="engine options key=value[,key=value...] for every engine of the run (a row's own options "
                         "take precedence)")
     p.add_argument("--staged-variants", type=parse_variant, nargs="*", default=[],
-                   help="section pieces: more staged columns, engine options key=int[,key=int...] each")
+                   help="section pieces: more staged columns, engine options key=value[,key=value...] each")
     p.add_argument("--overlap-variants", type=parse_variant, nargs="*", default=[],
                    help="section overlap: instead of the fixed set of paths, the default staged path and these "
-                        "staged variants (key=int[,key=int...] each; 'default' for none) at every "
+                        "staged variants (key=value[,key=value...] each; 'default' for none) at every "
                         "--overlap-pieces size")
     p.add_argument("--blocks-sweep", type=int, nargs="+", default=[4, 1, 2, 8])
     p.add_argument("--loop-cap", type=int, default=8192, help="most copies timed in the per-page loop")
