@@ -78,7 +78,7 @@ OVERLAP_HOLD = 3 * SLEEP_CYCLES  # the overlap's loads may take longer to submit
 GB = 1e9
 ENGINE_OPTIONS: dict[str, int | str] = {}  # --options: under every engine's own options
 HOST: dict[str, Any] = {"layout": "page_first", "pages": "random", "alloc_run": 64,
-                        "alloc_frees": "random"}  # --host-* and --alloc-* options
+                        "alloc_frees": "random", "block_pages": 0}  # --host-* and --alloc-* options
 
 
 def allocated_pages(cap: int, n: int, rng: np.random.Generator, mean_run: int, lru: bool = False) -> np.ndarray:
@@ -213,7 +213,7 @@ class Setup:
         self.bytes = self.n * layout.bytes_per_page
         cap = spare * self.n
         self.dev = DevicePool(layout, cap, "cuda")
-        self.host = HostPool(layout, cap, HOST["layout"])
+        self.host = HostPool(layout, cap, HOST["layout"], block_pages=HOST["block_pages"])
         self.host.buffer.view(torch.uint8).random_(0, 256)
         for row in self.dev.kv:
             for t in row:
@@ -683,6 +683,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop-cap", type=int, default=8192, help="most copies timed in the per-page loop")
     p.add_argument("--host-layout", default="page_first", choices=["page_first", "layer_first", "block_first"],
                    help="layout of the L2 pool in every section")
+    p.add_argument("--host-block-pages", type=int, default=0,
+                   help="--host-layout block_first: pages per block (0: the pool's default for the piece size)")
     p.add_argument("--host-pages", default="random", choices=["random", "allocated"],
                    help="host pages of each transfer: a random permutation, or as the allocator hands them out")
     p.add_argument("--alloc-run", type=int, default=64, help="--host-pages allocated: mean pages per request")
@@ -693,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     ENGINE_OPTIONS.update(args.options)
     HOST.update(layout=args.host_layout, pages=args.host_pages, alloc_run=args.alloc_run,
-                alloc_frees=args.alloc_frees)
+                alloc_frees=args.alloc_frees, block_pages=args.host_block_pages)
     if not torch.cuda.is_available():
         print("transfer_bandwidth: needs a CUDA GPU", file=sys.stderr)
         return 2

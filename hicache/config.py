@@ -34,9 +34,7 @@ TRANSFER_INT_OPTIONS = {"blocks": 1, "threads": 32, "ce_min_copy_bytes": 1, "sta
 LAYER_SIGNALS = ("auto", "flags", "events")
 # the staged path's device-side copies: one kernel per staging chunk, or one resident kernel per transfer
 STAGED_KERNELS = ("per_chunk", "resident")
-# lc-major staging's DMA: one pitched (2D) copy per run of pages, or one flat copy per (layer, K/V, run)
-LC_COPIES = ("pitched", "flat")
-TRANSFER_CHOICE_OPTIONS = {"layer_signal": LAYER_SIGNALS, "staged_kernel": STAGED_KERNELS, "lc_copies": LC_COPIES}
+TRANSFER_CHOICE_OPTIONS = {"layer_signal": LAYER_SIGNALS, "staged_kernel": STAGED_KERNELS}
 TRANSFER_OPTIONS = (*TRANSFER_INT_OPTIONS, *TRANSFER_CHOICE_OPTIONS)
 ENV_PREFIX = "HICACHE_"
 

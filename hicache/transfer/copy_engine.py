@@ -82,35 +82,6 @@ def plan_copies(dev_ptrs: np.ndarray, host_base: int, host_page_stride: int, hos
     return CopyPlan(dev_u, host_u, size.astype(np.uint64))
 
 
-class RowPlan(NamedTuple):
-    """Pitched copies: copy ``i`` moves ``height`` rows of ``width[i]`` bytes, row ``r`` from
-    ``src[i] + r * spitch`` to ``dst[i] + r * dpitch`` (one ``cudaMemcpy2DAsync``). The copy engine walks
-    the rows itself, so one call moves what would otherwise take ``height`` copies. Requires
-    ``width[i] <= min(dpitch, spitch)``."""
-
-    dst: np.ndarray
-    src: np.ndarray
-    width: np.ndarray
-    height: int
-    dpitch: int
-    spitch: int
-
-    @property
-    def n_copies(self) -> int:
-        return len(self.width)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.width.sum()) * self.height
-
-    def flat(self) -> CopyPlan:
-        """The same bytes as one plain copy per row (rows of a copy, then the next copy)."""
-        rows = np.arange(self.height, dtype=np.uint64)
-        dst = (self.dst[:, None] + rows[None, :] * np.uint64(self.dpitch)).reshape(-1)
-        src = (self.src[:, None] + rows[None, :] * np.uint64(self.spitch)).reshape(-1)
-        return CopyPlan(dst, src, np.repeat(self.width, self.height).astype(np.uint64))
-
-
 class _MemLocation(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
@@ -157,9 +128,6 @@ class CudaRuntime:
         lib.cudaMemcpyAsync.restype = ctypes.c_int
         lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                         ctypes.c_void_p]
-        lib.cudaMemcpy2DAsync.restype = ctypes.c_int
-        lib.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                                          ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         self._batch = getattr(lib, "cudaMemcpyBatchAsync", None) if self.version >= 12080 else None
@@ -198,21 +166,10 @@ class CudaRuntime:
     def memcpy_async(self, dst: int, src: int, size: int, stream: int) -> None:
         self._check(self._lib.cudaMemcpyAsync(dst, src, size, CUDA_MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
 
-    def run_rows(self, plan: RowPlan, stream: int) -> int:
-        """Issue every pitched copy of ``plan`` on ``stream`` (one ``cudaMemcpy2DAsync`` each); returns
-        the number of runtime calls made."""
-        fn = self._lib.cudaMemcpy2DAsync
-        h, dp, sp = plan.height, plan.dpitch, plan.spitch
-        for dst, src, width in zip(plan.dst.tolist(), plan.src.tolist(), plan.width.tolist(), strict=True):
-            self._check(fn(dst, dp, src, sp, width, h, CUDA_MEMCPY_DEFAULT, stream), "cudaMemcpy2DAsync")
-        return plan.n_copies
-
-    def run(self, plan: CopyPlan | RowPlan, stream: int, batched: bool = True) -> int:
+    def run(self, plan: CopyPlan, stream: int, batched: bool = True) -> int:
         """Issue every copy of ``plan`` on ``stream``; returns the number of runtime calls made."""
         if plan.n_copies == 0:
             return 0
-        if isinstance(plan, RowPlan):
-            return self.run_rows(plan, stream)
         if not (batched and self._batch is not None):
             for dst, src, size in zip(plan.dst.tolist(), plan.src.tolist(), plan.size.tolist(), strict=True):
                 self.memcpy_async(dst, src, size, stream)

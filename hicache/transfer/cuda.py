@@ -69,9 +69,7 @@ I/O backends (``io_backend``):
   the device to drain it: spreading raises how much a transfer can queue without blocking the host.
   On a block-first or layer-first pool the staging is lc-major instead: one DMA copy per (layer, K/V,
   run of consecutive host pages), loads one layer per unit, never staggered, scattered on one lane
-  unless ``stage_lanes`` is set (:func:`~hicache.transfer.staged.plan_group_lc`). With ``lc_copies:
-  pitched`` each run of pages is one pitched copy (``cudaMemcpy2DAsync``) over all the layers of its
-  group instead: the same bytes in ``layers x K/V`` times fewer calls. Kernels and planners
+  unless ``stage_lanes`` is set (:func:`~hicache.transfer.staged.plan_group_lc`). Kernels and planners
   address host pages by ``HostPool.host_keys``, which covers every layout with a page and a slot stride.
   See :mod:`hicache.transfer.staged`, and :mod:`hicache.transfer.cuda_tuning` for the defaults and what
   they were measured to do. ``load_head_layers`` (default 0) has the gather kernel (``head_blocks``
@@ -107,10 +105,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from hicache.config import LAYER_SIGNALS, LC_COPIES, STAGED_KERNELS
+from hicache.config import LAYER_SIGNALS, STAGED_KERNELS
 from hicache.pool import DevicePool, HostPool
 from hicache.transfer.base import TransferEngine, TransferHandle, register_engine, sorted_unique
-from hicache.transfer.copy_engine import CopyPlan, CudaRuntime, RowPlan, plan_copies
+from hicache.transfer.copy_engine import CopyPlan, CudaRuntime, plan_copies
 from hicache.transfer.cuda_driver import StreamWaiter
 from hicache.transfer.cuda_kernels import (
     DEFAULT_BACKUP_BLOCKS,
@@ -228,8 +226,7 @@ class CudaTransferEngine(TransferEngine):
                  staged_kernel: str = "per_chunk", resident_blocks: int = DEFAULT_RESIDENT_BLOCKS,
                  stage_lanes: int | None = None, backup_slots: int | None = None,
                  load_streams: int = DEFAULT_LOAD_STREAMS, stage_blocks: int = DEFAULT_STAGE_BLOCKS,
-                 load_head_layers: int = DEFAULT_LOAD_HEAD_LAYERS, head_blocks: int = DEFAULT_HEAD_BLOCKS,
-                 lc_copies: str = "flat") -> None:
+                 load_head_layers: int = DEFAULT_LOAD_HEAD_LAYERS, head_blocks: int = DEFAULT_HEAD_BLOCKS) -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
@@ -261,9 +258,6 @@ class CudaTransferEngine(TransferEngine):
         self.head_blocks = head_blocks
         self._head: tuple[torch.cuda.Stream, KernelCopier] | None = None  # made on first use
         self.stage_blocks = stage_blocks
-        if lc_copies not in LC_COPIES:
-            raise ValueError(f"lc_copies: must be one of {LC_COPIES}, got {lc_copies!r}")
-        self.lc_copies = lc_copies
         if staged_kernel not in STAGED_KERNELS:
             raise ValueError(f"staged_kernel: must be one of {STAGED_KERNELS}, got {staged_kernel!r}")
         if resident_blocks < 1:
@@ -337,10 +331,6 @@ class CudaTransferEngine(TransferEngine):
             host_base=host_base, host_page_stride=hps, host_lc_stride=hlcs, piece_bytes=piece, num_lc=L * C,
         )
         self._dev_ptrs_np = np.array(self.geometry.dev_ptrs, dtype=np.uint64)
-        # pitched lc-major copies step rows by the host's (layer, K/V) stride, which must be a legal pitch
-        max_pitch = int(cupy.cuda.runtime.deviceGetAttribute(
-            getattr(cupy.cuda.runtime, "cudaDevAttrMaxPitch", 11), self.device_index))
-        self._pitched = self.lc_major and self.lc_copies == "pitched" and hlcs <= max_pitch
         self.kernel = KernelCopier(self.geometry, self.device_index, blocks or DEFAULT_LOAD_BLOCKS, threads)
         self.backup_kernel = KernelCopier(self.geometry, self.device_index, blocks or DEFAULT_BACKUP_BLOCKS,
                                           threads)
@@ -675,7 +665,7 @@ class CudaTransferEngine(TransferEngine):
             if base is None:
                 base = memo[shape] = plan_group_lc(g.host_base, g.host_page_stride, g.host_lc_stride,
                                                    g.piece_bytes, C, keys, 0, n_layers, slot_bytes, to_host,
-                                                   ramp_up, ramp_down, self._pitched)
+                                                   ramp_up, ramp_down)
             return shift_layers(base, layer_begin, C, g.host_lc_stride, to_host)
         return plan_group(g.host_base, g.host_page_stride, g.piece_bytes, C, keys, layer_begin, n_layers,
                           slot_bytes, to_host, ramp_up, ramp_down)
@@ -805,7 +795,7 @@ class CudaTransferEngine(TransferEngine):
         piece = g.piece_bytes
         n = len(host_idx)
         # (plan, first page position, pages, first slot lc, lcs) per chunk, in order
-        chunks: list[tuple[CopyPlan | RowPlan, int, int, int, int]] = []
+        chunks: list[tuple[CopyPlan, int, int, int, int]] = []
         layer_chunk = np.zeros(L + (L & 1), dtype=np.int32)  # even length: packs into int64 words
         if to_host:
             per_group = group_layers(L, C, piece, L * C * piece, st.slot_bytes)  # whole pages
@@ -831,7 +821,7 @@ class CudaTransferEngine(TransferEngine):
         taken = [st.take() for _ in chunks]
         numbered = number_chunks([s for s, _ in taken], st.last, st.chunk_seq + 1, to_host)
         st.chunk_seq += len(chunks)
-        issue: list[tuple[CopyPlan | RowPlan, ResidentChunk]] = []  # (plan into/out of the slot, numbering)
+        issue: list[tuple[CopyPlan, ResidentChunk]] = []  # (plan into/out of the slot, numbering)
         for k, ((plan, i0, npg, lc0, nlc), (s, base), rc) in enumerate(zip(chunks, taken, numbered, strict=True)):
             desc[k] = (s, rc.kernel_wait, rc.number, base, i0, npg, lc0, nlc)
             issue.append((with_slot_base(plan, base, to_host), rc))

@@ -83,11 +83,9 @@ def _expect_backup(host_before: torch.Tensor, block_pages: int, dev_snap, d: np.
 
 def _backend_kw(io_backend: str) -> dict[str, Any]:
     """Engine keywords of a test backend name: ``staged_resident`` is the staged path with its
-    device-side copies in one resident kernel, ``staged_pitched`` with pitched lc-major DMA copies."""
+    device-side copies in one resident kernel."""
     if io_backend == "staged_resident":
         return {"io_backend": "staged", "staged_kernel": "resident"}
-    if io_backend == "staged_pitched":
-        return {"io_backend": "staged", "lc_copies": "pitched"}
     return {"io_backend": io_backend}
 
 
@@ -96,7 +94,7 @@ def _indices(n: int, n_dev: int, n_host: int, seed: int) -> tuple[np.ndarray, np
     return rng.permutation(n_dev)[:n].astype(np.int64), rng.permutation(n_host)[:n].astype(np.int64)
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged", "staged_resident", "staged_pitched"])
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged", "staged_resident"])
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "block_first"])
 @pytest.mark.parametrize(("layout", "width"), LAYOUTS, ids=IDS)
 def test_load_and_backup_match_torch(layout: KVLayout, width: int, host_layout: str, io_backend: str) -> None:

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from hicache.layout import KVLayout
 from hicache.pool import HostPool
-from hicache.transfer.copy_engine import CopyPlan, RowPlan
 from hicache.transfer.staged import (
     chunk_sizes,
     group_layers,
@@ -110,17 +109,9 @@ def test_chunk_sizes_cover_every_page(n: int, per: int, up: int, down: int) -> N
             assert sizes[-down:] == [max(1, per >> k) for k in range(1, down + 1)]
 
 
-def _flat(plan: CopyPlan | RowPlan) -> CopyPlan:
-    """A pitched plan as the row copies the copy engine makes of it, checking the runtime's pitch rules."""
-    if isinstance(plan, CopyPlan):
-        return plan
-    assert int(plan.width.max()) <= min(plan.dpitch, plan.spitch)
-    return plan.flat()
-
-
 def _simulate_lc(L: int, C: int, piece: int, B: int, n_host: int, n_dev: int, h: np.ndarray, d: np.ndarray,
                  g: int, slot: int, to_host: bool, rng: np.random.Generator,
-                 ramp: tuple[int, int] = (0, 0), pitched: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
+                 ramp: tuple[int, int] = (0, 0)) -> tuple[np.ndarray, np.ndarray, int]:
     """A staged transfer of a block-first pool through :func:`plan_group_lc` and the kernel's lc-major
     slot addressing (``launch_staged(..., lc_major=True)``); returns (got, expected, copies)."""
     layout = KVLayout(L, 1, piece // 2, "float16", 1, "mla" if C == 1 else "mha")  # pieces of `piece` bytes
@@ -138,10 +129,8 @@ def _simulate_lc(L: int, C: int, piece: int, B: int, n_host: int, n_dev: int, h:
     copies = 0
     for l0 in range(0, L, g):
         ng = min(g, L - l0)
-        for ch in plan_group_lc(0, ps * piece, lcs * piece, piece, C, keys, l0, ng, slot, to_host, *ramp,
-                                pitched=pitched):
-            copies += ch.plan.n_copies
-            plan = _flat(with_slot_base(ch.plan, stage_base, to_host))
+        for ch in plan_group_lc(0, ps * piece, lcs * piece, piece, C, keys, l0, ng, slot, to_host, *ramp):
+            plan = with_slot_base(ch.plan, stage_base, to_host)
             m = ch.i1 - ch.i0
             base = stage_base - l0 * C * m * piece  # the kernel: slot page p, lc -> base + p*piece + lc*m*piece
             cells = [(p, lc, base + p * piece + lc * m * piece - stage_base)
@@ -154,6 +143,7 @@ def _simulate_lc(L: int, C: int, piece: int, B: int, n_host: int, n_dev: int, h:
                     host[dst: dst + size] = staging[src - stage_base: src - stage_base + size]
                 else:
                     staging[dst - stage_base: dst - stage_base + size] = host[src: src + size]
+            copies += plan.n_copies
             if not to_host:
                 for p, lc, a in cells:
                     dev[lc, d[ch.i0 + p]] = staging[a: a + piece]
@@ -176,13 +166,11 @@ def _simulate_lc(L: int, C: int, piece: int, B: int, n_host: int, n_dev: int, h:
 @settings(max_examples=60, deadline=None)
 @given(L=st.integers(1, 4), C=st.integers(1, 2), piece=st.sampled_from([2, 16, 48]), n=st.integers(1, 14),
        B=st.sampled_from([1, 2, 4, 8]), g=st.integers(1, 4), pages_per_slot=st.integers(1, 5),
-       to_host=st.booleans(), seed=st.integers(0, 2**16), ramp=st.tuples(st.integers(0, 3), st.integers(0, 3)),
-       pitched=st.booleans())
+       to_host=st.booleans(), seed=st.integers(0, 2**16), ramp=st.tuples(st.integers(0, 3), st.integers(0, 3)))
 def test_lc_major_staging_moves_every_piece(L: int, C: int, piece: int, n: int, B: int, g: int, pages_per_slot: int,
-                                           to_host: bool, seed: int, ramp: tuple[int, int], pitched: bool) -> None:
+                                           to_host: bool, seed: int, ramp: tuple[int, int]) -> None:
     """Loads and backups of a block-first pool through lc-major chunks land exactly the right pieces, and
-    touch nothing else; runs of consecutive pages in a block become one copy per (layer, K/V), or one
-    pitched copy per layer group."""
+    touch nothing else; runs of consecutive pages in a block become one copy per (layer, K/V)."""
     rng = np.random.default_rng(seed)
     g = min(g, L)
     n_host, n_dev = n + 5, n + 2
@@ -192,11 +180,11 @@ def test_lc_major_staging_moves_every_piece(L: int, C: int, piece: int, n: int, 
         h = rng.permutation(n_host)[:n].astype(np.int64)
     d = rng.permutation(n_dev)[:n].astype(np.int64)
     slot = pages_per_slot * g * C * piece
-    got, want, copies = _simulate_lc(L, C, piece, B, n_host, n_dev, h, d, g, slot, to_host, rng, ramp, pitched)
+    got, want, copies = _simulate_lc(L, C, piece, B, n_host, n_dev, h, d, g, slot, to_host, rng, ramp)
     assert np.array_equal(got, want)
     if seed % 2 and pages_per_slot >= n and ramp == (0, 0):  # one chunk per group: a copy per (lc, block)
-        blocks = 1 if L * C == 1 else len({(int(x) // B) for x in h})  # one layer's blocks abut each other
-        assert copies == (-(-L // g) if pitched else L * C) * blocks
+        blocks = len({(int(x) // B) for x in h})
+        assert copies == L * C * (1 if L * C == 1 else blocks)  # one layer's blocks abut each other
 
 
 def test_lc_major_runs_are_one_copy_per_layer_and_block() -> None:
@@ -229,39 +217,3 @@ def test_shifted_lc_major_chunks_equal_planning_each_layer(to_host: bool) -> Non
         assert [(c.i0, c.i1) for c in got] == [(c.i0, c.i1) for c in want]
         for a, b in zip(got, want, strict=True):
             assert all(np.array_equal(x, y) for x, y in zip(a.plan, b.plan, strict=True))
-
-
-@pytest.mark.parametrize("to_host", [False, True])
-@pytest.mark.parametrize("n_layers", [1, 3])
-def test_pitched_chunks_are_the_flat_copies_by_rows(to_host: bool, n_layers: int) -> None:
-    """A pitched chunk moves exactly the bytes of the flat chunk, one call per run instead of one per (layer,
-    K/V, run); shifting it to later layers equals planning them."""
-    piece, B, L, C = 4 << 10, 16, 6, 2
-    pool = HostPool(KVLayout(L, 8, 128, "float16", 2), 200, "block_first", pin_memory=False, block_pages=B)
-    keys = pool.host_keys(np.sort(np.random.default_rng(2).permutation(200)[:120]))
-    args = (1 << 30, piece, B * piece, piece, C)
-    slot = 50 * n_layers * C * piece
-    flat = plan_group_lc(*args, keys, 2, n_layers, slot, to_host, 1, 2)
-    rows = plan_group_lc(*args, keys, 2, n_layers, slot, to_host, 1, 2, pitched=True)
-    assert [(c.i0, c.i1) for c in rows] == [(c.i0, c.i1) for c in flat]
-    for r, f in zip(rows, flat, strict=True):
-        assert isinstance(r.plan, RowPlan) and r.plan.height == n_layers * C
-        assert f.plan.n_copies == r.plan.n_copies * n_layers * C
-        got = sorted(zip(*(a.tolist() for a in _flat(r.plan)), strict=True))
-        want = sorted(zip(*(a.tolist() for a in f.plan), strict=True))
-        assert got == want
-    shifted = shift_layers(plan_group_lc(*args, keys, 0, n_layers, slot, to_host, 1, 2, pitched=True), 2, C,
-                           B * piece, to_host)
-    for a, b in zip(shifted, rows, strict=True):
-        assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a.plan, b.plan, strict=True))
-
-
-def test_pitched_run_wider_than_the_host_pitch_is_an_error() -> None:
-    """Runs of consecutive keys cross a pitch only in a pool of one (layer, K/V); two rows that overlap
-    would copy the wrong bytes, so the planner refuses them."""
-    keys = np.arange(10, dtype=np.int64)
-    with pytest.raises(ValueError, match="outgrows the host pitch"):
-        plan_group_lc(0, 16, 4 * 16, 16, 2, keys, 0, 1, 1 << 20, False, pitched=True)
-    one = plan_group_lc(0, 16, 4 * 16, 16, 1, keys, 0, 1, 1 << 20, False, pitched=True)[0].plan
-    assert isinstance(one, RowPlan) and one.height == 1 and one.width.tolist() == [160]
-    assert min(one.dpitch, one.spitch) >= 160
