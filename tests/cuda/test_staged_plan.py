@@ -218,15 +218,3 @@ def test_shifted_lc_major_chunks_equal_planning_each_layer(to_host: bool) -> Non
         for a, b in zip(got, want, strict=True):
             assert all(np.array_equal(x, y) for x, y in zip(a.plan, b.plan, strict=True))
 
-
-def test_lc_major_backup_writes_host_memory_in_address_order() -> None:
-    """A backup chunk's copies go block by block, then (layer, K/V): ascending host addresses. A load
-    chunk's go (layer, K/V) by (layer, K/V), the slot in order."""
-    piece, B, C = 4 << 10, 16, 2
-    pool = HostPool(KVLayout(4, 8, 128, "float16", 2), 300, "block_first", pin_memory=False, block_pages=B)
-    keys = pool.host_keys(np.sort(np.random.default_rng(3).permutation(300)[:150]))
-    for ch in plan_group_lc(0, piece, B * piece, piece, C, keys, 0, 4, 40 * 4 * C * piece, True, 2, 0):
-        dst = ch.plan.dst.astype(np.int64)
-        assert np.all(np.diff(dst) > 0)
-    for ch in plan_group_lc(0, piece, B * piece, piece, C, keys, 0, 4, 40 * 4 * C * piece, False, 0, 2):
-        assert np.all(np.diff(ch.plan.dst.astype(np.int64)) > 0)
