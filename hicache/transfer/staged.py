@@ -66,6 +66,9 @@ class StagedChunk(NamedTuple):
     i0: int
     i1: int
     plan: CopyPlan
+    # block-mirrored chunks (:func:`plan_group_blocks`): each page's key in the slot, which is laid out as
+    # a small block-first pool; None for the other planners, whose slot positions are ``i - i0``
+    slot_keys: np.ndarray | None = None
 
 
 def group_layers(num_layers: int, kv_count: int, piece_bytes: int, min_run_bytes: int, slot_bytes: int) -> int:
@@ -202,9 +205,94 @@ def plan_group_lc(host_base: int, host_page_stride: int, host_lc_stride: int, pi
     return chunks
 
 
+def plan_group_blocks(host_base: int, piece_bytes: int, kv_count: int, num_layers: int, block_pages: int,
+                      host_pages: np.ndarray, layer_begin: int, n_layers: int, slot_bytes: int, to_host: bool,
+                      ramp_up: int = 0, ramp_down: int = 0) -> list[StagedChunk] | None:
+    """Block-mirrored chunks of the layer group ``[layer_begin, layer_begin + n_layers)`` for the pages
+    ``host_pages`` (ascending) of a block-first pool (``[P / B, L, C, B, piece]``, ``B = block_pages``,
+    base ``host_base``); None when one block's ``n_layers`` do not fit ``slot_bytes``.
+
+    A chunk holds the pages of up to ``slot_bytes // (n_lc * B * piece)`` host blocks (``n_lc =
+    n_layers * kv_count``; fewer in the ramps of :func:`chunk_sizes`, which count blocks here), and its
+    slot mirrors them as a block-first pool of its own: the ``j``-th block of the chunk is at slot offset
+    ``j * n_lc * B * piece``, laid out ``[n_lc][B][piece]``, and page ``h`` sits at slot key ``j * n_lc *
+    B + h % B`` (``slot_keys``; the kernel addresses the slot with page stride ``piece`` and (layer, K/V)
+    stride ``B * piece``). The host's ``n_lc`` rows of a block are contiguous, so a block the chunk holds
+    every page of is ONE copy (and whole pages of consecutive such blocks merge into one), where
+    :func:`plan_group_lc` makes ``n_lc`` of them; a partial block is one copy per (layer, K/V, run of
+    consecutive pages). Slots of partial blocks keep holes where the missing pages would go.
+    """
+    h = np.asarray(host_pages, dtype=np.int64)
+    B, C = block_pages, kv_count
+    n_lc = n_layers * C
+    block_bytes = n_lc * B * piece_bytes
+    if n_lc <= 0 or block_bytes > slot_bytes:
+        return None
+    n = len(h)
+    blk, off = h // B, h % B
+    new_blk = np.ones(n, dtype=bool)
+    if n > 1:
+        np.not_equal(np.diff(blk), 0, out=new_blk[1:])
+    blk_start = np.flatnonzero(new_blk)  # position of each block's first page
+    n_blocks = len(blk_start)
+    blk_count = np.diff(np.append(blk_start, n))
+    sizes = chunk_sizes(n_blocks, slot_bytes // block_bytes, ramp_up, ramp_down)
+    row = B * piece_bytes  # one (layer, K/V) of a block
+    host_block = num_layers * C * row  # host bytes per block
+    lc0 = layer_begin * C
+    brk = np.ones(n, dtype=bool)  # runs of consecutive pages, within a block
+    if n > 1:
+        np.not_equal(np.diff(h), 1, out=brk[1:])
+    brk |= new_blk
+    run_start = np.flatnonzero(brk)
+    run_len = np.diff(np.append(run_start, n))
+    blk_run = run_len[np.searchsorted(run_start, blk_start)]  # a block starts a run: that run's length
+    lc = np.arange(n_lc, dtype=np.int64)
+    chunks = []
+    b0 = 0
+    for nb in sizes:
+        i0 = int(blk_start[b0])
+        i1 = int(blk_start[b0 + nb]) if b0 + nb < n_blocks else n
+        j = np.repeat(np.arange(nb, dtype=np.int64), blk_count[b0:b0 + nb])  # block rank of each page
+        slot_keys = j * (n_lc * B) + off[i0:i1]
+        bl = blk[blk_start[b0:b0 + nb]]
+        whole = blk_run[b0:b0 + nb] == B  # one run of B pages fills the block
+        hosts, slots, sizes_ = [], [], []
+        # whole blocks: one copy each, merged with the next where both sides continue
+        wj = np.flatnonzero(whole)
+        if len(wj):
+            cont = np.zeros(len(wj), dtype=bool)
+            if n_lc == num_layers * C and len(wj) > 1:
+                cont[1:] = (np.diff(wj) == 1) & (np.diff(bl[wj]) == 1)
+            starts = np.flatnonzero(~cont)
+            lens = np.diff(np.append(starts, len(wj)))
+            hosts.append(host_base + bl[wj[starts]] * host_block + lc0 * row)
+            slots.append(wj[starts] * block_bytes)
+            sizes_.append(lens * block_bytes)
+        # partial blocks: one copy per (lc, run)
+        lo, hi = np.searchsorted(run_start, [i0, i1])
+        rs, rl = run_start[lo:hi], run_len[lo:hi]
+        keep = ~whole[j[rs - i0]]
+        rs, lens = rs[keep], rl[keep]
+        if len(rs):
+            hb = host_base + blk[rs] * host_block + (lc0 * B + off[rs]) * piece_bytes
+            sb = (j[rs - i0] * (n_lc * B) + off[rs]) * piece_bytes
+            hosts.append((hb[None, :] + lc[:, None] * row).reshape(-1))
+            slots.append((sb[None, :] + lc[:, None] * row).reshape(-1))
+            sizes_.append(np.broadcast_to(lens * piece_bytes, (n_lc, len(rs))).reshape(-1))
+        hu, su, zu = (np.concatenate(a).astype(np.uint64) if a else np.zeros(0, dtype=np.uint64)
+                      for a in (hosts, slots, sizes_))
+        order = np.argsort(hu, kind="stable")
+        hu, su, zu = hu[order], su[order], zu[order]
+        plan = CopyPlan(hu, su, zu) if to_host else CopyPlan(su, hu, zu)
+        chunks.append(StagedChunk(i0, i1, plan, slot_keys))
+        b0 += nb
+    return chunks
+
+
 def shift_layers(chunks: list[StagedChunk], layers: int, kv_count: int, host_lc_stride: int,
                  to_host: bool) -> list[StagedChunk]:
-    """Lc-major ``chunks`` of one layer group moved ``layers`` layers on: host addresses are linear in
+    """Lc-major or block-mirrored ``chunks`` of one layer group moved ``layers`` layers on: host addresses are linear in
     the layer, so the chunks of ``[b + layers, ...)`` are those of ``[b, ...)`` with every host address
     ``layers * kv_count * host_lc_stride`` bytes further (slot offsets unchanged). A layer-wise load
     plans its page runs once and shifts them for every layer."""
@@ -213,7 +301,7 @@ def shift_layers(chunks: list[StagedChunk], layers: int, kv_count: int, host_lc_
     for ch in chunks:
         p = ch.plan
         plan = CopyPlan(p.dst + delta, p.src, p.size) if to_host else CopyPlan(p.dst, p.src + delta, p.size)
-        out.append(StagedChunk(ch.i0, ch.i1, plan))
+        out.append(ch._replace(plan=plan))
     return out
 
 

@@ -1,6 +1,8 @@
 """Staged-path planning (pure NumPy, runs anywhere): DMA runs into a staging slot, then the kernel's
 slot addressing, reproduce the page-first host pieces exactly."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -10,9 +12,11 @@ from hypothesis import strategies as st
 from hicache.layout import KVLayout
 from hicache.pool import HostPool
 from hicache.transfer.staged import (
+    StagedChunk,
     chunk_sizes,
     group_layers,
     plan_group,
+    plan_group_blocks,
     plan_group_lc,
     shift_layers,
     with_slot_base,
@@ -218,3 +222,115 @@ def test_shifted_lc_major_chunks_equal_planning_each_layer(to_host: bool) -> Non
         for a, b in zip(got, want, strict=True):
             assert all(np.array_equal(x, y) for x, y in zip(a.plan, b.plan, strict=True))
 
+
+
+def _simulate_blocks(L: int, C: int, piece: int, B: int, n_host: int, n_dev: int, h: np.ndarray, d: np.ndarray,
+                     g: int, slot: int, to_host: bool, rng: np.random.Generator,
+                     ramp: tuple[int, int] = (0, 0)) -> tuple[np.ndarray, np.ndarray, list[list[StagedChunk]]]:
+    """A staged transfer of a block-first pool through :func:`plan_group_blocks` and the kernel's
+    addressing of the slot (key ``slot_keys[i]``, page stride ``piece``, (layer, K/V) stride ``B *
+    piece``); returns (got, expected, the chunks of each group)."""
+    layout = KVLayout(L, 1, piece // 2, "float16", 1, "mla" if C == 1 else "mha")
+    pool = HostPool(layout, n_host, "block_first", pin_memory=False, block_pages=B)
+    host = pool.buffer.view(torch.uint8).reshape(-1).numpy()
+    host[:] = rng.integers(0, 256, host.size, dtype=np.uint8)
+    dev = rng.integers(0, 256, (L * C, n_dev, piece), dtype=np.uint8)
+    host0, dev0 = host.copy(), dev.copy()
+    order = np.argsort(h, kind="stable")
+    h, d = h[order], d[order]
+    stage_base = 1 << 40
+    staging = np.full(slot, 7, dtype=np.uint8)
+    groups = []
+    for l0 in range(0, L, g):
+        ng = min(g, L - l0)
+        chunks = plan_group_blocks(0, piece, C, L, B, h, l0, ng, slot, to_host, *ramp)
+        assert chunks is not None
+        groups.append(chunks)
+        for ch in chunks:
+            assert ch.slot_keys is not None and len(ch.slot_keys) == ch.i1 - ch.i0
+            plan = with_slot_base(ch.plan, stage_base, to_host)
+            cells = [(p, lc, (int(ch.slot_keys[p]) * piece + (lc - l0 * C) * B * piece))
+                     for p in range(ch.i1 - ch.i0) for lc in range(l0 * C, (l0 + ng) * C)]
+            assert all(a >= 0 and a + piece <= slot for _, _, a in cells)
+            if to_host:
+                for p, lc, a in cells:
+                    staging[a: a + piece] = dev[lc, d[ch.i0 + p]]
+            for dst, src, size in zip(plan.dst.tolist(), plan.src.tolist(), plan.size.tolist(), strict=True):
+                if to_host:
+                    host[dst: dst + size] = staging[src - stage_base: src - stage_base + size]
+                else:
+                    staging[dst - stage_base: dst - stage_base + size] = host[src: src + size]
+            if not to_host:
+                for p, lc, a in cells:
+                    dev[lc, d[ch.i0 + p]] = staging[a: a + piece]
+    if to_host:
+        pw = HostPool(layout, n_host, "block_first", pin_memory=False, block_pages=B)
+        pw.buffer.view(torch.uint8).reshape(-1).numpy()[:] = host0
+        for i in range(len(h)):
+            for lc in range(L * C):
+                pw.write_pieces(lc // C, lc % C, torch.tensor([int(h[i])]),
+                                torch.from_numpy(dev0[lc, d[i]]).view(1, 1, 1, piece))
+        return host, pw.buffer.view(torch.uint8).reshape(-1).numpy(), groups
+    want = dev0.copy()
+    for i in range(len(h)):
+        for lc in range(L * C):
+            want[lc, d[i]] = pool.read_pieces(lc // C, lc % C, torch.tensor([int(h[i])])).reshape(-1).numpy()
+    return dev, want, groups
+
+
+@settings(max_examples=80, deadline=None)
+@given(L=st.integers(1, 4), C=st.integers(1, 2), piece=st.sampled_from([2, 16, 48]), n=st.integers(1, 30),
+       B=st.sampled_from([1, 2, 4, 8]), g=st.integers(1, 4), blocks_per_slot=st.integers(1, 4),
+       to_host=st.booleans(), seed=st.integers(0, 2**16), ramp=st.tuples(st.integers(0, 3), st.integers(0, 3)))
+def test_block_mirrored_staging_moves_every_piece(L: int, C: int, piece: int, n: int, B: int, g: int,
+                                                  blocks_per_slot: int, to_host: bool, seed: int,
+                                                  ramp: tuple[int, int]) -> None:
+    """Loads and backups of a block-first pool through block-mirrored chunks land exactly the right pieces
+    and touch nothing else, whatever the runs, ramps and slot sizes; every chunk fits its slot."""
+    rng = np.random.default_rng(seed)
+    g = min(g, L)
+    n_host, n_dev = n + 9, n + 2
+    if seed % 2:  # runs of consecutive host pages, as the allocator hands them out
+        h = (np.arange(n) + rng.integers(0, 9)).astype(np.int64)
+    else:
+        h = rng.permutation(n_host)[:n].astype(np.int64)
+    d = rng.permutation(n_dev)[:n].astype(np.int64)
+    slot = blocks_per_slot * g * C * B * piece
+    got, want, groups = _simulate_blocks(L, C, piece, B, n_host, n_dev, h, d, g, slot, to_host, rng, ramp)
+    assert np.array_equal(got, want)
+    for chunks in groups:
+        assert chunks[0].i0 == 0 and chunks[-1].i1 == n
+        assert all(a.i1 == b.i0 for a, b in itertools.pairwise(chunks))
+
+
+def test_whole_blocks_are_one_copy() -> None:
+    """32 layers, 4 KiB pieces, blocks of 16: a backup of 3 whole consecutive blocks and 5 pages of a
+    fourth is 1 copy of 12 MiB plus 64 (layers x K/V) copies of the 5-page run; one layer of the same
+    pages loads as 3 copies of 128 KiB (K and V of a block are adjacent) plus 2."""
+    piece, B, L, C = 4 << 10, 16, 32, 2
+    h = np.arange(16, 16 + 3 * B + 5, dtype=np.int64)
+    chunks = plan_group_blocks(0, piece, C, L, B, h, 0, L, 16 << 20, True)
+    assert chunks is not None and len(chunks) == 1
+    sizes = sorted(chunks[0].plan.size.tolist())
+    assert sizes == [5 * piece] * (L * C) + [3 * L * C * B * piece]
+    layer = plan_group_blocks(0, piece, C, L, B, h, 7, 1, 16 << 20, False)
+    assert layer is not None
+    assert sorted(layer[0].plan.size.tolist()) == [5 * piece] * 2 + [2 * B * piece] * 3
+    assert plan_group_blocks(0, piece, C, L, B, h, 0, L, L * C * B * piece - 1, True) is None
+
+
+@pytest.mark.parametrize("to_host", [False, True])
+def test_shifted_block_chunks_equal_planning_each_layer(to_host: bool) -> None:
+    piece, B, L, C = 4 << 10, 16, 6, 2
+    h = np.sort(np.random.default_rng(4).permutation(300)[:170]).astype(np.int64)
+    base = plan_group_blocks(1 << 30, piece, C, L, B, h, 0, 1, 8 * C * B * piece, to_host, 0, 2)
+    assert base is not None
+    for layer in range(L):
+        want = plan_group_blocks(1 << 30, piece, C, L, B, h, layer, 1, 8 * C * B * piece, to_host, 0, 2)
+        assert want is not None
+        got = shift_layers(base, layer, C, B * piece, to_host)
+        for a, b in zip(got, want, strict=True):
+            assert (a.i0, a.i1) == (b.i0, b.i1)
+            assert a.slot_keys is not None and b.slot_keys is not None
+            assert np.array_equal(a.slot_keys, b.slot_keys)
+            assert all(np.array_equal(x, y) for x, y in zip(a.plan, b.plan, strict=True))
