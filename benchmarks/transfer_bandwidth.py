@@ -436,6 +436,10 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
                 ("d2h", "staged", {}), ("d2h", "staged", {"backup_streams": 1}), ("d2h", "staged", {"stage_lanes": 1}),
                 ("h2d", "staged", {"staged_kernel": "resident"}), ("d2h", "staged", {"staged_kernel": "resident"}),
                 ("h2d", "staged", {"staged_kernel": "resident", "resident_blocks": 1})]
+    if HOST["layout"] != "page_first":  # the resident kernel needs page-first; block-first compares its stagings
+        configs = [c for c in configs if c[2].get("staged_kernel") != "resident"]
+        if HOST["layout"] == "block_first":
+            configs += [(dr, "staged", {"block_staging": "lc_major"}) for dr in ("h2d", "d2h")]
     return bench_compute(args, ceil, gemm_compute(), configs)
 
 

@@ -34,7 +34,11 @@ TRANSFER_INT_OPTIONS = {"blocks": 1, "threads": 32, "ce_min_copy_bytes": 1, "sta
 LAYER_SIGNALS = ("auto", "flags", "events")
 # the staged path's device-side copies: one kernel per staging chunk, or one resident kernel per transfer
 STAGED_KERNELS = ("per_chunk", "resident")
-TRANSFER_CHOICE_OPTIONS = {"layer_signal": LAYER_SIGNALS, "staged_kernel": STAGED_KERNELS}
+# how the staged path lays out a block-first pool's slots: mirroring its blocks (whole blocks move as one
+# copy), or lc-major (one copy per layer, K/V and run of pages)
+BLOCK_STAGINGS = ("mirror", "lc_major")
+TRANSFER_CHOICE_OPTIONS = {"layer_signal": LAYER_SIGNALS, "staged_kernel": STAGED_KERNELS,
+                           "block_staging": BLOCK_STAGINGS}
 TRANSFER_OPTIONS = (*TRANSFER_INT_OPTIONS, *TRANSFER_CHOICE_OPTIONS)
 ENV_PREFIX = "HICACHE_"
 

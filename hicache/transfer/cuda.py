@@ -99,13 +99,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from hicache.config import LAYER_SIGNALS, STAGED_KERNELS
+from hicache.config import BLOCK_STAGINGS, LAYER_SIGNALS, STAGED_KERNELS
 from hicache.pool import DevicePool, HostPool
 from hicache.transfer.base import TransferEngine, TransferHandle, register_engine, sorted_unique
 from hicache.transfer.copy_engine import CopyPlan, CudaRuntime, plan_copies
@@ -141,9 +141,11 @@ from hicache.transfer.resident import ResidentChunk, number_chunks
 from hicache.transfer.staged import (
     LoadSchedule,
     StagedChunk,
+    StaggerUnit,
     group_layers,
     load_schedule,
     plan_group,
+    plan_group_blocks,
     plan_group_lc,
     shift_layers,
     with_slot_base,
@@ -213,6 +215,25 @@ class _InFlight:
     keep: tuple[Any, ...] = ()  # buffers the device reads until ``event`` (host index arrays, by kernel)
 
 
+@dataclass
+class _StagePlans:
+    """One staged transfer's host pages and keys (host order) and the chunks planned for them, by group
+    shape ``(layers, slot bytes, ramp up, ramp down)``: lc-major chunks planned on first use, block-mirrored
+    ones before the index upload, with where their slot keys sit in the uploaded index array."""
+
+    pages: np.ndarray
+    keys: np.ndarray
+    memo: dict[tuple[int, int, int, int], list[StagedChunk]] = field(default_factory=dict)
+    key_offset: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
+    parts: dict[tuple[int, int], dict[tuple[int, int, int, int], list[StagedChunk]]] = field(default_factory=dict)
+
+    def part_memo(self, lo: int, hi: int | None) -> dict[tuple[int, int, int, int], list[StagedChunk]]:
+        """The chunk memo of the pages ``[lo, hi)``: the transfer's own for all of them."""
+        if lo == 0 and hi in (None, len(self.keys)):
+            return self.memo
+        return self.parts.setdefault((lo, len(self.keys) if hi is None else hi), {})
+
+
 @register_engine("cuda")
 class CudaTransferEngine(TransferEngine):
     name = "cuda"
@@ -226,7 +247,8 @@ class CudaTransferEngine(TransferEngine):
                  staged_kernel: str = "per_chunk", resident_blocks: int = DEFAULT_RESIDENT_BLOCKS,
                  stage_lanes: int | None = None, backup_slots: int | None = None,
                  load_streams: int = DEFAULT_LOAD_STREAMS, stage_blocks: int = DEFAULT_STAGE_BLOCKS,
-                 load_head_layers: int = DEFAULT_LOAD_HEAD_LAYERS, head_blocks: int = DEFAULT_HEAD_BLOCKS) -> None:
+                 load_head_layers: int = DEFAULT_LOAD_HEAD_LAYERS, head_blocks: int = DEFAULT_HEAD_BLOCKS,
+                 block_staging: str = "mirror") -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
@@ -238,6 +260,11 @@ class CudaTransferEngine(TransferEngine):
             raise ValueError(f"transfer engine 'cuda' needs CuPy: {e}") from e
         # not page-first: one (layer, K/V) of consecutive pages is contiguous, so stage lc-major
         self.lc_major = host_pool.host_layout != "page_first"
+        if block_staging not in BLOCK_STAGINGS:
+            raise ValueError(f"block_staging: must be one of {BLOCK_STAGINGS}, got {block_staging!r}")
+        # block-first: slots mirror the pool's blocks, so a block the transfer covers is one copy
+        self.block_mirror = (host_pool.host_layout == "block_first" and host_pool.block_pages > 1
+                             and block_staging == "mirror")
         if staged_kernel == "resident" and self.lc_major:
             raise ValueError("staged_kernel 'resident' needs a page_first host pool")
         if staging_bytes < STAGE_SLOTS:
@@ -603,6 +630,25 @@ class CudaTransferEngine(TransferEngine):
         keys = self.host_pool.host_keys(host_idx)  # ascending, as host_idx
         # device pages; after them the host keys, which only the head's gather kernel reads
         both = np.concatenate([dev_idx, keys]) if head else dev_idx
+        plans = _StagePlans(host_idx, keys)
+        if self.block_mirror and self.staged_kernel != "resident":
+            # block-mirrored chunks carry slot keys the kernels read: plan every group shape now, and
+            # upload the keys with the indices
+            n = len(dev_idx)
+            shapes = (self._backup_shapes(st) if to_host
+                      else [(u.n_layers, 0, ramp) for u, ramp in self._load_units(n, st, head, layer_wise)])
+            parts = [both]
+            offset = len(both)
+            for n_layers, ramp_up, ramp_down in dict.fromkeys(shapes):
+                chunks = plan_group_blocks(g.host_base, piece, C, L, self.host_pool.block_pages, host_idx, 0,
+                                           n_layers, st.slot_bytes, to_host, ramp_up, ramp_down)
+                if chunks is None:
+                    continue  # a block of these layers outgrows a slot: lc-major chunks (planned on use)
+                plans.memo[(n_layers, st.slot_bytes, ramp_up, ramp_down)] = chunks
+                plans.key_offset[(n_layers, st.slot_bytes, ramp_up, ramp_down)] = offset
+                parts.append(np.concatenate([ch.slot_keys for ch in chunks if ch.slot_keys is not None]))
+                offset += n
+            both = np.concatenate(parts)
         idx_host = torch.from_numpy(np.ascontiguousarray(both, dtype=np.int64)).pin_memory()
         with torch.cuda.stream(sst):  # allocated on the stream that uses it
             idx = torch.empty(idx_host.shape, dtype=torch.int64, device=self.device)
@@ -612,25 +658,22 @@ class CudaTransferEngine(TransferEngine):
             events, meta, flags = self._staged_resident(keys, to_host, stream, st, idx.data_ptr(), layer_wise)
             return events, (idx_host, idx, *meta), flags
         if not to_host:
-            return (self._staged_load(keys, stream, st, idx.data_ptr(), head, layer_wise), (idx_host, idx),
+            return (self._staged_load(plans, stream, st, idx.data_ptr(), head, layer_wise), (idx_host, idx),
                     None)
-        per_group = group_layers(L, C, piece, L * C * piece, st.slot_bytes)  # backups: whole pages
-        memo: dict[tuple[int, int, int, int], list[StagedChunk]] = {}
         dma = self._dma_streams(stream)
         st.begin()
         k = 0
-        for l0 in range(0, L, per_group):
-            ng = min(per_group, L - l0)
-            ramp_up = STAGE_RAMP if l0 == 0 else 0
-            for ch in self._plan_chunks(keys, l0, ng, st.slot_bytes, True, ramp_up, 0, memo):
+        l0 = 0
+        for ng, ramp_up, _ in self._backup_shapes(st):
+            for ch in self._plan_chunks(plans, l0, ng, st.slot_bytes, True, ramp_up, 0):
                 s, base = st.take()
                 plan = with_slot_base(ch.plan, base, True)
                 lane = st.lane(s)
                 prev = st.free[s]
                 if prev is not None:
                     lane.wait_event(prev)
-                self.stage_kernel.launch_staged(lane.cuda_stream, idx.data_ptr() + 8 * ch.i0, st.pos.data_ptr(),
-                                                ch.i1 - ch.i0, l0 * C, ng * C, True, base, self.lc_major)
+                self._launch_stage(lane, plans, idx.data_ptr(), ch, (ng, st.slot_bytes, ramp_up, 0), l0, ng, True,
+                                   base, st)
                 done = torch.cuda.Event()
                 done.record(lane)
                 out = dma.stream(k)
@@ -640,6 +683,7 @@ class CudaTransferEngine(TransferEngine):
                 freed = torch.cuda.Event()
                 freed.record(out)
                 st.free[s] = freed
+            l0 += ng
         dma.join()
         final = torch.cuda.Event()
         final.record(stream)
@@ -650,17 +694,33 @@ class CudaTransferEngine(TransferEngine):
         (backups) or the load lanes (loads)."""
         return DmaStreams(stream, self._backup_lanes if to_host else self._load_lanes)
 
-    def _plan_chunks(self, keys: np.ndarray, layer_begin: int, n_layers: int, slot_bytes: int, to_host: bool,
-                     ramp_up: int, ramp_down: int,
-                     memo: dict[tuple[int, int, int, int], list[StagedChunk]]) -> list[StagedChunk]:
-        """The staged chunks of one layer group for host pages with ``keys``: page-major
-        (:func:`~hicache.transfer.staged.plan_group`) for a page-first pool, else lc-major
-        (:func:`~hicache.transfer.staged.plan_group_lc`). ``memo`` is one per transfer and page list:
-        lc-major runs are planned once per group shape and shifted to each layer group
+    def _backup_shapes(self, st: Stager) -> list[tuple[int, int, int]]:
+        """A staged backup's layer groups in order, as (layers, ramp up, ramp down): whole pages where
+        one fits a slot, the first group's chunks ramped up."""
+        L, C = self.layout.num_layers, self.layout.kv_count
+        per_group = group_layers(L, C, self.geometry.piece_bytes, L * C * self.geometry.piece_bytes, st.slot_bytes)
+        return [(min(per_group, L - l0), STAGE_RAMP if l0 == 0 else 0, 0) for l0 in range(0, L, per_group)]
+
+    def _load_units(self, n: int, st: Stager, head: int,
+                    layer_wise: bool) -> list[tuple[StaggerUnit, int]]:
+        """A staged load's units in order with each one's ramp down (the last unit's chunks shrink)."""
+        sched, _ = self._load_schedule(n, st, head, layer_wise)
+        last = len(sched.units) - 1
+        return [(u, STAGE_RAMP if ui == last else 0) for ui, u in enumerate(sched.units)]
+
+    def _plan_chunks(self, plans: _StagePlans, layer_begin: int, n_layers: int, slot_bytes: int, to_host: bool,
+                     ramp_up: int, ramp_down: int, lo: int = 0, hi: int | None = None) -> list[StagedChunk]:
+        """The staged chunks of one layer group for the transfer's pages ``[lo, hi)``: page-major
+        (:func:`~hicache.transfer.staged.plan_group`) for a page-first pool, else block-mirrored where
+        :meth:`_staged` planned them (:func:`~hicache.transfer.staged.plan_group_blocks`), else lc-major
+        (:func:`~hicache.transfer.staged.plan_group_lc`). Lc-major and block-mirrored chunks are planned
+        once per group shape in ``plans`` and shifted to each layer group
         (:func:`~hicache.transfer.staged.shift_layers`)."""
         g, C = self.geometry, self.layout.kv_count
+        keys = plans.keys[lo:hi]
         if self.lc_major:
             shape = (n_layers, slot_bytes, ramp_up, ramp_down)
+            memo = plans.part_memo(lo, hi)
             base = memo.get(shape)
             if base is None:
                 base = memo[shape] = plan_group_lc(g.host_base, g.host_page_stride, g.host_lc_stride,
@@ -670,13 +730,31 @@ class CudaTransferEngine(TransferEngine):
         return plan_group(g.host_base, g.host_page_stride, g.piece_bytes, C, keys, layer_begin, n_layers,
                           slot_bytes, to_host, ramp_up, ramp_down)
 
-    def _staged_load(self, host_idx: np.ndarray, stream: torch.cuda.Stream, st: Stager,
+    def _launch_stage(self, lane: torch.cuda.Stream, plans: _StagePlans, idx_ptr: int, ch: StagedChunk,
+                      shape: tuple[int, int, int, int], layer_begin: int, n_layers: int, to_host: bool, base: int,
+                      st: Stager, lo: int = 0) -> None:
+        """The device-side copy of one staged chunk on ``lane``: L1 pages at ``idx_ptr`` (positions from
+        ``lo + ch.i0``), the slot at ``base`` addressed by position (page-first and lc-major slots) or by
+        the chunk's slot keys, uploaded after the indices (block-mirrored)."""
+        C = self.layout.kv_count
+        dev_ptr = idx_ptr + 8 * (lo + ch.i0)
+        if ch.slot_keys is not None:
+            pos_ptr = idx_ptr + 8 * (plans.key_offset[shape] + ch.i0)
+            strides = (self.geometry.piece_bytes, self.host_pool.block_pages * self.geometry.piece_bytes)
+            self.stage_kernel.launch_staged(lane.cuda_stream, dev_ptr, pos_ptr, ch.i1 - ch.i0, layer_begin * C,
+                                            n_layers * C, to_host, base, strides=strides)
+        else:
+            self.stage_kernel.launch_staged(lane.cuda_stream, dev_ptr, st.pos.data_ptr(), ch.i1 - ch.i0,
+                                            layer_begin * C, n_layers * C, to_host, base, self.lc_major)
+
+    def _staged_load(self, plans: _StagePlans, stream: torch.cuda.Stream, st: Stager,
                      idx_ptr: int, head: int = 0, layer_wise: bool = True) -> list[torch.cuda.Event]:
         """The load half of :meth:`_staged`: groups of layers, staggered over parts of the page list
         (:func:`~hicache.transfer.staged.stagger_schedule`).
 
-        ``host_idx`` holds the host keys (``HostPool.host_keys``) in host order and ``idx_ptr`` the
-        matching device pages on the GPU (then, when ``head`` > 0, the host keys). Each unit of the
+        ``plans`` holds the host pages and keys (``HostPool.host_keys``) in host order and ``idx_ptr`` the
+        matching device pages on the GPU (then, when ``head`` > 0, the host keys; then the slot keys of
+        block-mirrored chunks). Each unit of the
         schedule is one part's pages for one group of layers (an lc-major pool: one layer of every page),
         moved slot by slot, each slot scattered on its lane; the stage stream then waits for the unit's
         scatters and records an event, and layer ``i``'s event is that of the unit after which every part
@@ -686,7 +764,7 @@ class CudaTransferEngine(TransferEngine):
         """
         assert self._rt is not None
         L, C = self.layout.num_layers, self.layout.kv_count
-        n = len(host_idx)
+        n = len(plans.keys)
         sst = st.stream
         head_events: list[torch.cuda.Event] = []
         if head:
@@ -706,13 +784,12 @@ class CudaTransferEngine(TransferEngine):
         st.begin()
         k = 0
         landed: list[torch.cuda.Event] = []
-        memos: dict[tuple[int, int], dict[tuple[int, int, int, int], list[StagedChunk]]] = {}
-        for ui, u in enumerate(sched.units):
+        for (u, ramp_down) in self._load_units(n, st, head, layer_wise):
             lo, hi = bounds[u.way]
-            ramp_down = STAGE_RAMP if ui == len(sched.units) - 1 else 0
             scattered: list[torch.cuda.Event] = []
-            for ch in self._plan_chunks(host_idx[lo:hi], u.layer_begin, u.n_layers, st.slot_bytes, False, 0,
-                                        ramp_down, memos.setdefault((lo, hi), {})):
+            shape = (u.n_layers, st.slot_bytes, 0, ramp_down)
+            for ch in self._plan_chunks(plans, u.layer_begin, u.n_layers, st.slot_bytes, False, 0, ramp_down, lo,
+                                        hi):
                 s, base = st.take()
                 plan = with_slot_base(ch.plan, base, False)
                 out = dma.stream(k)
@@ -725,9 +802,7 @@ class CudaTransferEngine(TransferEngine):
                 done.record(out)
                 lane = st.lane(s)
                 lane.wait_event(done)
-                self.stage_kernel.launch_staged(lane.cuda_stream, idx_ptr + 8 * (lo + ch.i0), st.pos.data_ptr(),
-                                                ch.i1 - ch.i0, u.layer_begin * C, u.n_layers * C, False, base,
-                                                self.lc_major)
+                self._launch_stage(lane, plans, idx_ptr, ch, shape, u.layer_begin, u.n_layers, False, base, st, lo)
                 freed = torch.cuda.Event()
                 freed.record(lane)
                 st.free[s] = freed

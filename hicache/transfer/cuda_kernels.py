@@ -255,9 +255,12 @@ class KernelCopier:
                   host_idx_ptr, n_pages, lc_begin, n_lc, self.piece_vecs, 1 if to_host else 0)
 
     def launch_staged(self, stream_handle: int, dev_idx_ptr: int, pos_idx_ptr: int, n_pages: int, lc_begin: int,
-                      n_lc: int, to_host: bool, slot_base: int, lc_major: bool = False) -> None:
+                      n_lc: int, to_host: bool, slot_base: int, lc_major: bool = False,
+                      strides: tuple[int, int] | None = None) -> None:
         """Copy between the L1 pool and a device staging slot laid out ``[n_pages, n_lc, piece]``
-        (``lc_major``: ``[n_lc, n_pages, piece]``, see :func:`hicache.transfer.staged.plan_group_lc`).
+        (``lc_major``: ``[n_lc, n_pages, piece]``, see :func:`hicache.transfer.staged.plan_group_lc`;
+        ``strides``: any (page, lc) byte strides, e.g. the block-mirrored slots of
+        :func:`hicache.transfer.staged.plan_group_blocks`, page keys in ``pos_idx``).
 
         Page ``i`` of the slot (``pos_idx[i]``, normally ``i``) pairs with L1 page ``dev_idx[i]``;
         ``to_host`` copies L1 -> slot. The slot is addressed like a page-first (lc-major: layer-first) host
@@ -272,7 +275,10 @@ class KernelCopier:
             raise ValueError(f"staging slot base {slot_base:#x} not aligned to {self.width} bytes")
         piece = self.geometry.piece_bytes
         grid = self.grid_for(n_pages, n_lc)  # both directions walk work items (device memory only)
-        page_stride, lc_stride = (piece, n_pages * piece) if lc_major else (n_lc * piece, piece)
+        if strides is not None:
+            page_stride, lc_stride = strides
+        else:
+            page_stride, lc_stride = (piece, n_pages * piece) if lc_major else (n_lc * piece, piece)
         base = (slot_base - lc_begin * lc_stride) % (1 << 64)  # the kernel adds lc * lc_stride back
         self._run(self._kernel, grid, self.threads, stream_handle, PAGE_COPY_ARGS,
                   self._dev_ptrs.data_ptr(), base, page_stride, lc_stride, dev_idx_ptr, pos_idx_ptr, n_pages,

@@ -83,9 +83,12 @@ def _expect_backup(host_before: torch.Tensor, block_pages: int, dev_snap, d: np.
 
 def _backend_kw(io_backend: str) -> dict[str, Any]:
     """Engine keywords of a test backend name: ``staged_resident`` is the staged path with its
-    device-side copies in one resident kernel."""
+    device-side copies in one resident kernel, ``staged_lc`` with lc-major slots for a block-first pool
+    (instead of slots that mirror its blocks)."""
     if io_backend == "staged_resident":
         return {"io_backend": "staged", "staged_kernel": "resident"}
+    if io_backend == "staged_lc":
+        return {"io_backend": "staged", "block_staging": "lc_major"}
     return {"io_backend": io_backend}
 
 
@@ -94,7 +97,7 @@ def _indices(n: int, n_dev: int, n_host: int, seed: int) -> tuple[np.ndarray, np
     return rng.permutation(n_dev)[:n].astype(np.int64), rng.permutation(n_host)[:n].astype(np.int64)
 
 
-@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged", "staged_resident"])
+@pytest.mark.parametrize("io_backend", ["kernel", "copy_engine", "staged", "staged_resident", "staged_lc"])
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "block_first"])
 @pytest.mark.parametrize(("layout", "width"), LAYOUTS, ids=IDS)
 def test_load_and_backup_match_torch(layout: KVLayout, width: int, host_layout: str, io_backend: str) -> None:
@@ -135,6 +138,43 @@ def test_load_and_backup_match_torch(layout: KVLayout, width: int, host_layout: 
         handle = eng.backup(d, h)
         handle.wait()
         assert handle.done()
+        assert torch.equal(_host_bytes(host), _expect_backup(hb, host.block_pages, dsnap, d, h, every))
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("block_staging", ["mirror", "lc_major"])
+@pytest.mark.parametrize(("layout", "width"), LAYOUTS[:3] + LAYOUTS[-1:], ids=IDS[:3] + IDS[-1:])
+def test_block_first_staging_with_whole_blocks(layout: KVLayout, width: int, block_staging: str) -> None:
+    """Staged transfers of a block-first pool (blocks of 4) over runs that cover whole blocks and parts
+    of others, with slots of several whole blocks: layer-wise and whole loads, and backups, equal torch's."""
+    n_dev, n_host = 61, 64
+    dev, host = _pools(layout, n_dev, n_host, "block_first", seed=5)
+    L, C = layout.num_layers, layout.kv_count
+    block = L * C * 4 * layout.bytes_per_layer_piece
+    eng = create_engine("cuda", dev, host, io_backend="staged", staging_bytes=16 * 3 * block,
+                        backup_slots=16, block_staging=block_staging)
+    assert eng.block_mirror == (block_staging == "mirror")
+    every = {(layer, c) for layer in range(L) for c in range(C)}
+    runs = np.concatenate([np.arange(2, 19), np.arange(24, 29), np.arange(31, 52)]).astype(np.int64)
+    try:
+        for k, layer_wise in enumerate((True, False)):
+            rng = np.random.default_rng(10 + k)
+            h = rng.permutation(runs)
+            d = rng.permutation(n_dev)[:len(h)].astype(np.int64)
+            before = _snapshot(dev)
+            handle = eng.load(h, d, layer_wise=layer_wise)
+            handle.wait()
+            expect = _expect_load(before, host, d, h, every)
+            got = _snapshot(dev)
+            for layer in range(L):
+                for c in range(C):
+                    assert torch.equal(got[layer][c], expect[layer][c]), (layer_wise, layer, c)
+        h = np.random.default_rng(12).permutation(np.concatenate([runs[:30], [60, 62]])).astype(np.int64)
+        d = np.random.default_rng(13).permutation(n_dev)[:len(h)].astype(np.int64)
+        hb = _host_bytes(host).clone()
+        dsnap = _snapshot(dev)
+        eng.backup(d, h).wait()
         assert torch.equal(_host_bytes(host), _expect_backup(hb, host.block_pages, dsnap, d, h, every))
     finally:
         eng.close()
