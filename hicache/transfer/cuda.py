@@ -69,7 +69,10 @@ I/O backends (``io_backend``):
   the device to drain it: spreading raises how much a transfer can queue without blocking the host.
   On a block-first or layer-first pool the staging is lc-major instead: one DMA copy per (layer, K/V,
   run of consecutive host pages), loads one layer per unit, never staggered, scattered on one lane
-  unless ``stage_lanes`` is set (:func:`~hicache.transfer.staged.plan_group_lc`). Kernels and planners
+  unless ``stage_lanes`` is set (:func:`~hicache.transfer.staged.plan_group_lc`). A block-first pool's
+  slots mirror its blocks by default (``block_staging: mirror``,
+  :func:`~hicache.transfer.staged.plan_group_blocks`): a block the transfer covers is one copy, and the
+  kernels find each page in the slot through slot keys uploaded with the indices. Kernels and planners
   address host pages by ``HostPool.host_keys``, which covers every layout with a page and a slot stride.
   See :mod:`hicache.transfer.staged`, and :mod:`hicache.transfer.cuda_tuning` for the defaults and what
   they were measured to do. ``load_head_layers`` (default 0) has the gather kernel (``head_blocks``
