@@ -113,17 +113,45 @@ def test_chunk_sizes_cover_every_page(n: int, per: int, up: int, down: int) -> N
             assert sizes[-down:] == [max(1, per >> k) for k in range(1, down + 1)]
 
 
+def _block_first_pools(L: int, C: int, piece: int, B: int, n_host: int, n_dev: int,
+                       rng: np.random.Generator) -> tuple[HostPool, np.ndarray, np.ndarray]:
+    """A block-first pool of random ``piece``-byte pieces (its bytes as a NumPy view) and random L1 pages
+    ``[L * C, n_dev, piece]``."""
+    layout = KVLayout(L, 1, piece // 2, "float16", 1, "mla" if C == 1 else "mha")  # pieces of `piece` bytes
+    pool = HostPool(layout, n_host, "block_first", pin_memory=False, block_pages=B)
+    host = pool.buffer.view(torch.uint8).reshape(-1).numpy()
+    host[:] = rng.integers(0, 256, host.size, dtype=np.uint8)
+    return pool, host, rng.integers(0, 256, (L * C, n_dev, piece), dtype=np.uint8)
+
+
+def _expected_block_first(pool: HostPool, host0: np.ndarray, dev0: np.ndarray, h: np.ndarray, d: np.ndarray,
+                          to_host: bool) -> np.ndarray:
+    """What a transfer of host pages ``h`` <-> L1 pages ``d`` must leave: the pool's bytes (backups,
+    from ``host0``) or the L1 pages (loads, from ``dev0``), by the pool's own piece accessors."""
+    L, C = pool.layout.num_layers, pool.layout.kv_count
+    piece = dev0.shape[-1]
+    if to_host:
+        pw = HostPool(pool.layout, pool.num_pages, "block_first", pin_memory=False, block_pages=pool.block_pages)
+        pw.buffer.view(torch.uint8).reshape(-1).numpy()[:] = host0
+        for i in range(len(h)):
+            for lc in range(L * C):
+                pw.write_pieces(lc // C, lc % C, torch.tensor([int(h[i])]),
+                                torch.from_numpy(dev0[lc, d[i]]).view(1, 1, 1, piece))
+        return pw.buffer.view(torch.uint8).reshape(-1).numpy()
+    want = dev0.copy()  # a load leaves the pool as it was (host0)
+    for i in range(len(h)):
+        for lc in range(L * C):
+            want[lc, d[i]] = pool.read_pieces(lc // C, lc % C, torch.tensor([int(h[i])])).reshape(-1).numpy()
+    return want
+
+
 def _simulate_lc(L: int, C: int, piece: int, B: int, n_host: int, n_dev: int, h: np.ndarray, d: np.ndarray,
                  g: int, slot: int, to_host: bool, rng: np.random.Generator,
                  ramp: tuple[int, int] = (0, 0)) -> tuple[np.ndarray, np.ndarray, int]:
     """A staged transfer of a block-first pool through :func:`plan_group_lc` and the kernel's lc-major
     slot addressing (``launch_staged(..., lc_major=True)``); returns (got, expected, copies)."""
-    layout = KVLayout(L, 1, piece // 2, "float16", 1, "mla" if C == 1 else "mha")  # pieces of `piece` bytes
-    pool = HostPool(layout, n_host, "block_first", pin_memory=False, block_pages=B)
-    host = pool.buffer.view(torch.uint8).reshape(-1).numpy()
-    host[:] = rng.integers(0, 256, host.size, dtype=np.uint8)
+    pool, host, dev = _block_first_pools(L, C, piece, B, n_host, n_dev, rng)
     ps, lcs = pool.piece_strides
-    dev = rng.integers(0, 256, (L * C, n_dev, piece), dtype=np.uint8)
     host0, dev0 = host.copy(), dev.copy()
     order = np.argsort(h)
     h, d = h[order], d[order]
@@ -151,20 +179,7 @@ def _simulate_lc(L: int, C: int, piece: int, B: int, n_host: int, n_dev: int, h:
             if not to_host:
                 for p, lc, a in cells:
                     dev[lc, d[ch.i0 + p]] = staging[a: a + piece]
-    if to_host:
-        want_host = host0.copy()
-        pw = HostPool(layout, n_host, "block_first", pin_memory=False, block_pages=B)
-        pw.buffer.view(torch.uint8).reshape(-1).numpy()[:] = want_host
-        for i in range(len(h)):
-            for lc in range(L * C):
-                pw.write_pieces(lc // C, lc % C, torch.tensor([int(h[i])]),
-                                torch.from_numpy(dev0[lc, d[i]]).view(1, 1, 1, piece))
-        return host, pw.buffer.view(torch.uint8).reshape(-1).numpy(), copies
-    want = dev0.copy()
-    for i in range(len(h)):
-        for lc in range(L * C):
-            want[lc, d[i]] = pool.read_pieces(lc // C, lc % C, torch.tensor([int(h[i])])).reshape(-1).numpy()
-    return dev, want, copies
+    return (host if to_host else dev), _expected_block_first(pool, host0, dev0, h, d, to_host), copies
 
 
 @settings(max_examples=60, deadline=None)
@@ -230,11 +245,7 @@ def _simulate_blocks(L: int, C: int, piece: int, B: int, n_host: int, n_dev: int
     """A staged transfer of a block-first pool through :func:`plan_group_blocks` and the kernel's
     addressing of the slot (key ``slot_keys[i]``, page stride ``piece``, (layer, K/V) stride ``B *
     piece``); returns (got, expected, the chunks of each group)."""
-    layout = KVLayout(L, 1, piece // 2, "float16", 1, "mla" if C == 1 else "mha")
-    pool = HostPool(layout, n_host, "block_first", pin_memory=False, block_pages=B)
-    host = pool.buffer.view(torch.uint8).reshape(-1).numpy()
-    host[:] = rng.integers(0, 256, host.size, dtype=np.uint8)
-    dev = rng.integers(0, 256, (L * C, n_dev, piece), dtype=np.uint8)
+    pool, host, dev = _block_first_pools(L, C, piece, B, n_host, n_dev, rng)
     host0, dev0 = host.copy(), dev.copy()
     order = np.argsort(h, kind="stable")
     h, d = h[order], d[order]
@@ -263,19 +274,7 @@ def _simulate_blocks(L: int, C: int, piece: int, B: int, n_host: int, n_dev: int
             if not to_host:
                 for p, lc, a in cells:
                     dev[lc, d[ch.i0 + p]] = staging[a: a + piece]
-    if to_host:
-        pw = HostPool(layout, n_host, "block_first", pin_memory=False, block_pages=B)
-        pw.buffer.view(torch.uint8).reshape(-1).numpy()[:] = host0
-        for i in range(len(h)):
-            for lc in range(L * C):
-                pw.write_pieces(lc // C, lc % C, torch.tensor([int(h[i])]),
-                                torch.from_numpy(dev0[lc, d[i]]).view(1, 1, 1, piece))
-        return host, pw.buffer.view(torch.uint8).reshape(-1).numpy(), groups
-    want = dev0.copy()
-    for i in range(len(h)):
-        for lc in range(L * C):
-            want[lc, d[i]] = pool.read_pieces(lc // C, lc % C, torch.tensor([int(h[i])])).reshape(-1).numpy()
-    return dev, want, groups
+    return (host if to_host else dev), _expected_block_first(pool, host0, dev0, h, d, to_host), groups
 
 
 @settings(max_examples=80, deadline=None)
