@@ -218,23 +218,21 @@ class _InFlight:
     keep: tuple[Any, ...] = ()  # buffers the device reads until ``event`` (host index arrays, by kernel)
 
 
+def _unit_ramps(sched: LoadSchedule) -> list[tuple[StaggerUnit, int]]:
+    """A staged load's units in order, each with its chunks' ramp down (only the last unit's shrink)."""
+    last = len(sched.units) - 1
+    return [(u, STAGE_RAMP if ui == last else 0) for ui, u in enumerate(sched.units)]
+
+
 @dataclass
 class _StagePlans:
-    """One staged transfer's host pages and keys (host order) and the chunks planned for them, by group
-    shape ``(layers, slot bytes, ramp up, ramp down)``: lc-major chunks planned on first use, block-mirrored
+    """One staged transfer's host keys (host order) and the chunks planned for them, by group shape
+    ``(layers, slot bytes, ramp up, ramp down)``: lc-major chunks planned on first use, block-mirrored
     ones before the index upload, with where their slot keys sit in the uploaded index array."""
 
-    pages: np.ndarray
     keys: np.ndarray
     memo: dict[tuple[int, int, int, int], list[StagedChunk]] = field(default_factory=dict)
     key_offset: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
-    parts: dict[tuple[int, int], dict[tuple[int, int, int, int], list[StagedChunk]]] = field(default_factory=dict)
-
-    def part_memo(self, lo: int, hi: int | None) -> dict[tuple[int, int, int, int], list[StagedChunk]]:
-        """The chunk memo of the pages ``[lo, hi)``: the transfer's own for all of them."""
-        if lo == 0 and hi in (None, len(self.keys)):
-            return self.memo
-        return self.parts.setdefault((lo, len(self.keys) if hi is None else hi), {})
 
 
 @register_engine("cuda")
@@ -633,13 +631,15 @@ class CudaTransferEngine(TransferEngine):
         keys = self.host_pool.host_keys(host_idx)  # ascending, as host_idx
         # device pages; after them the host keys, which only the head's gather kernel reads
         both = np.concatenate([dev_idx, keys]) if head else dev_idx
-        plans = _StagePlans(host_idx, keys)
+        plans = _StagePlans(keys)
+        sched = (None if to_host or self.staged_kernel == "resident"
+                 else self._load_schedule(len(dev_idx), st, head, layer_wise))
         if self.block_mirror and self.staged_kernel != "resident":
             # block-mirrored chunks carry slot keys the kernels read: plan every group shape now, and
             # upload the keys with the indices
             n = len(dev_idx)
-            shapes = (self._backup_shapes(st) if to_host
-                      else [(u.n_layers, 0, ramp) for u, ramp in self._load_units(n, st, head, layer_wise)])
+            shapes = (self._backup_shapes(st) if sched is None
+                      else [(u.n_layers, 0, ramp) for u, ramp in _unit_ramps(sched[0])])
             parts = [both]
             offset = len(both)
             for n_layers, ramp_up, ramp_down in dict.fromkeys(shapes):
@@ -660,9 +660,8 @@ class CudaTransferEngine(TransferEngine):
         if self.staged_kernel == "resident":
             events, meta, flags = self._staged_resident(keys, to_host, stream, st, idx.data_ptr(), layer_wise)
             return events, (idx_host, idx, *meta), flags
-        if not to_host:
-            return (self._staged_load(plans, stream, st, idx.data_ptr(), head, layer_wise), (idx_host, idx),
-                    None)
+        if sched is not None:
+            return self._staged_load(plans, sched, stream, st, idx.data_ptr(), head), (idx_host, idx), None
         dma = self._dma_streams(stream)
         st.begin()
         k = 0
@@ -704,26 +703,20 @@ class CudaTransferEngine(TransferEngine):
         per_group = group_layers(L, C, self.geometry.piece_bytes, L * C * self.geometry.piece_bytes, st.slot_bytes)
         return [(min(per_group, L - l0), STAGE_RAMP if l0 == 0 else 0, 0) for l0 in range(0, L, per_group)]
 
-    def _load_units(self, n: int, st: Stager, head: int,
-                    layer_wise: bool) -> list[tuple[StaggerUnit, int]]:
-        """A staged load's units in order with each one's ramp down (the last unit's chunks shrink)."""
-        sched, _ = self._load_schedule(n, st, head, layer_wise)
-        last = len(sched.units) - 1
-        return [(u, STAGE_RAMP if ui == last else 0) for ui, u in enumerate(sched.units)]
-
     def _plan_chunks(self, plans: _StagePlans, layer_begin: int, n_layers: int, slot_bytes: int, to_host: bool,
                      ramp_up: int, ramp_down: int, lo: int = 0, hi: int | None = None) -> list[StagedChunk]:
         """The staged chunks of one layer group for the transfer's pages ``[lo, hi)``: page-major
         (:func:`~hicache.transfer.staged.plan_group`) for a page-first pool, else block-mirrored where
         :meth:`_staged` planned them (:func:`~hicache.transfer.staged.plan_group_blocks`), else lc-major
-        (:func:`~hicache.transfer.staged.plan_group_lc`). Lc-major and block-mirrored chunks are planned
-        once per group shape in ``plans`` and shifted to each layer group
-        (:func:`~hicache.transfer.staged.shift_layers`)."""
+        (:func:`~hicache.transfer.staged.plan_group_lc`). Lc-major and block-mirrored chunks (always of
+        every page: such loads are never staggered) are planned once per group shape in ``plans`` and
+        shifted to each layer group (:func:`~hicache.transfer.staged.shift_layers`)."""
         g, C = self.geometry, self.layout.kv_count
         keys = plans.keys[lo:hi]
         if self.lc_major:
+            assert len(keys) == len(plans.keys), "lc-major transfers are not split into parts"
             shape = (n_layers, slot_bytes, ramp_up, ramp_down)
-            memo = plans.part_memo(lo, hi)
+            memo = plans.memo
             base = memo.get(shape)
             if base is None:
                 base = memo[shape] = plan_group_lc(g.host_base, g.host_page_stride, g.host_lc_stride,
@@ -750,8 +743,8 @@ class CudaTransferEngine(TransferEngine):
             self.stage_kernel.launch_staged(lane.cuda_stream, dev_ptr, st.pos.data_ptr(), ch.i1 - ch.i0,
                                             layer_begin * C, n_layers * C, to_host, base, self.lc_major)
 
-    def _staged_load(self, plans: _StagePlans, stream: torch.cuda.Stream, st: Stager,
-                     idx_ptr: int, head: int = 0, layer_wise: bool = True) -> list[torch.cuda.Event]:
+    def _staged_load(self, plans: _StagePlans, schedule: tuple[LoadSchedule, list[tuple[int, int]]],
+                     stream: torch.cuda.Stream, st: Stager, idx_ptr: int, head: int = 0) -> list[torch.cuda.Event]:
         """The load half of :meth:`_staged`: groups of layers, staggered over parts of the page list
         (:func:`~hicache.transfer.staged.stagger_schedule`).
 
@@ -782,12 +775,12 @@ class CudaTransferEngine(TransferEngine):
                 head_events.append(ev)
             # the DMA of the other layers follows: beside it the kernel's reads get little of the link
             stream.wait_event(head_events[-1])
-        sched, bounds = self._load_schedule(n, st, head, layer_wise)
+        sched, bounds = schedule
         dma = self._dma_streams(stream, to_host=False)
         st.begin()
         k = 0
         landed: list[torch.cuda.Event] = []
-        for (u, ramp_down) in self._load_units(n, st, head, layer_wise):
+        for u, ramp_down in _unit_ramps(sched):
             lo, hi = bounds[u.way]
             scattered: list[torch.cuda.Event] = []
             shape = (u.n_layers, st.slot_bytes, 0, ramp_down)
