@@ -229,64 +229,66 @@ def plan_group_blocks(host_base: int, piece_bytes: int, kv_count: int, num_layer
     if n_lc <= 0 or block_bytes > slot_bytes:
         return None
     n = len(h)
-    blk, off = h // B, h % B
-    new_blk = np.ones(n, dtype=bool)
-    if n > 1:
-        np.not_equal(np.diff(blk), 0, out=new_blk[1:])
-    blk_start = np.flatnonzero(new_blk)  # position of each block's first page
-    n_blocks = len(blk_start)
-    blk_count = np.diff(np.append(blk_start, n))
-    sizes = chunk_sizes(n_blocks, slot_bytes // block_bytes, ramp_up, ramp_down)
+    if n == 0:
+        return []
     row = B * piece_bytes  # one (layer, K/V) of a block
     host_block = num_layers * C * row  # host bytes per block
     lc0 = layer_begin * C
-    brk = np.ones(n, dtype=bool)  # runs of consecutive pages, within a block
-    if n > 1:
-        np.not_equal(np.diff(h), 1, out=brk[1:])
-    brk |= new_blk
+    blk, off = h // B, h % B
+    # blocks, and runs of consecutive pages within a block
+    new_blk = np.ones(n, dtype=bool)
+    np.not_equal(np.diff(blk), 0, out=new_blk[1:])
+    blk_start = np.flatnonzero(new_blk)  # position of each block's first page
+    n_blocks = len(blk_start)
+    blk_count = np.diff(np.append(blk_start, n))
+    brk = new_blk.copy()
+    brk[1:] |= np.diff(h) != 1
     run_start = np.flatnonzero(brk)
     run_len = np.diff(np.append(run_start, n))
-    blk_run = run_len[np.searchsorted(run_start, blk_start)]  # a block starts a run: that run's length
-    lc = np.arange(n_lc, dtype=np.int64)
+    whole = run_len[np.searchsorted(run_start, blk_start)] == B  # one run of B pages fills its block
+    # chunks of blocks, and each block's rank j in its chunk
+    sizes = np.array(chunk_sizes(n_blocks, slot_bytes // block_bytes, ramp_up, ramp_down), dtype=np.int64)
+    first_blk = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=first_blk[1:])
+    blk_chunk = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    j = np.arange(n_blocks, dtype=np.int64) - first_blk[blk_chunk]
+    slot_keys = np.repeat(j, blk_count) * (n_lc * B) + off
+    # whole blocks: one copy each, merged with the next where both sides continue (whole pages only)
+    wb = np.flatnonzero(whole)
+    cont = np.zeros(len(wb), dtype=bool)
+    if n_lc == num_layers * C and len(wb) > 1:
+        cont[1:] = ((np.diff(wb) == 1) & (np.diff(blk[blk_start[wb]]) == 1)
+                    & (np.diff(blk_chunk[wb]) == 0))
+    ws = np.flatnonzero(~cont)
+    wlen = np.diff(np.append(ws, len(wb)))
+    wb = wb[ws]
+    w_host = host_base + blk[blk_start[wb]] * host_block + lc0 * row
+    w_slot = j[wb] * block_bytes
+    w_size = wlen * block_bytes
+    # partial blocks: one copy per (layer, K/V, run)
+    run_blk = np.searchsorted(blk_start, run_start, side="right") - 1
+    keep = ~whole[run_blk]
+    rs, rl, rb = run_start[keep], run_len[keep], run_blk[keep]
+    lc = np.arange(n_lc, dtype=np.int64)[:, None] * row
+    p_host = (host_base + blk[rs] * host_block + (lc0 * B + off[rs]) * piece_bytes)[None, :] + lc
+    p_slot = ((j[rb] * (n_lc * B) + off[rs]) * piece_bytes)[None, :] + lc
+    p_size = np.broadcast_to(rl * piece_bytes, p_host.shape)
+    p_chunk = np.broadcast_to(blk_chunk[rb], p_host.shape)
+    host_u = np.concatenate([w_host, p_host.reshape(-1)]).astype(np.uint64)
+    slot_u = np.concatenate([w_slot, p_slot.reshape(-1)]).astype(np.uint64)
+    size_u = np.concatenate([w_size, p_size.reshape(-1)]).astype(np.uint64)
+    owner = np.concatenate([blk_chunk[wb], p_chunk.reshape(-1)])
+    order = np.lexsort((host_u, owner))  # chunk by chunk, in host order within each
+    host_u, slot_u, size_u, owner = host_u[order], slot_u[order], size_u[order], owner[order]
+    edges = np.searchsorted(owner, np.arange(len(sizes) + 1))
+    page_edges = np.append(blk_start[first_blk], n)
     chunks = []
-    b0 = 0
-    for nb in sizes:
-        i0 = int(blk_start[b0])
-        i1 = int(blk_start[b0 + nb]) if b0 + nb < n_blocks else n
-        j = np.repeat(np.arange(nb, dtype=np.int64), blk_count[b0:b0 + nb])  # block rank of each page
-        slot_keys = j * (n_lc * B) + off[i0:i1]
-        bl = blk[blk_start[b0:b0 + nb]]
-        whole = blk_run[b0:b0 + nb] == B  # one run of B pages fills the block
-        hosts, slots, sizes_ = [], [], []
-        # whole blocks: one copy each, merged with the next where both sides continue
-        wj = np.flatnonzero(whole)
-        if len(wj):
-            cont = np.zeros(len(wj), dtype=bool)
-            if n_lc == num_layers * C and len(wj) > 1:
-                cont[1:] = (np.diff(wj) == 1) & (np.diff(bl[wj]) == 1)
-            starts = np.flatnonzero(~cont)
-            lens = np.diff(np.append(starts, len(wj)))
-            hosts.append(host_base + bl[wj[starts]] * host_block + lc0 * row)
-            slots.append(wj[starts] * block_bytes)
-            sizes_.append(lens * block_bytes)
-        # partial blocks: one copy per (lc, run)
-        lo, hi = np.searchsorted(run_start, [i0, i1])
-        rs, rl = run_start[lo:hi], run_len[lo:hi]
-        keep = ~whole[j[rs - i0]]
-        rs, lens = rs[keep], rl[keep]
-        if len(rs):
-            hb = host_base + blk[rs] * host_block + (lc0 * B + off[rs]) * piece_bytes
-            sb = (j[rs - i0] * (n_lc * B) + off[rs]) * piece_bytes
-            hosts.append((hb[None, :] + lc[:, None] * row).reshape(-1))
-            slots.append((sb[None, :] + lc[:, None] * row).reshape(-1))
-            sizes_.append(np.broadcast_to(lens * piece_bytes, (n_lc, len(rs))).reshape(-1))
-        hu, su, zu = (np.concatenate(a).astype(np.uint64) if a else np.zeros(0, dtype=np.uint64)
-                      for a in (hosts, slots, sizes_))
-        order = np.argsort(hu, kind="stable")
-        hu, su, zu = hu[order], su[order], zu[order]
-        plan = CopyPlan(hu, su, zu) if to_host else CopyPlan(su, hu, zu)
-        chunks.append(StagedChunk(i0, i1, plan, slot_keys))
-        b0 += nb
+    for k in range(len(sizes)):
+        lo, hi = int(edges[k]), int(edges[k + 1])
+        i0, i1 = int(page_edges[k]), int(page_edges[k + 1])
+        plan = (CopyPlan(host_u[lo:hi], slot_u[lo:hi], size_u[lo:hi]) if to_host
+                else CopyPlan(slot_u[lo:hi], host_u[lo:hi], size_u[lo:hi]))
+        chunks.append(StagedChunk(i0, i1, plan, slot_keys[i0:i1]))
     return chunks
 
 
