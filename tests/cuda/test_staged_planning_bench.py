@@ -1,0 +1,38 @@
+"""The staged-planning benchmark (CPU only) plans every staging of the same allocated pages: copies and
+planning time come out for each, as ratios to the page-first plan, and mirrored slots never make more
+copies than lc-major ones."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "staged_planning.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("staged_planning_bench", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_small_run_reports_every_staging(tmp_path: Path) -> None:
+    out = tmp_path / "planning.json"
+    rc = _load().main(["--pieces", "4", "16", "--total-mib", "16", "--pool-pages", "4096", "--reps", "2",
+                       "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["piece_kib"], r["frees"], r["staging"]) for r in rows} == {
+        (k, f, s) for k in (4, 16) for f in ("random", "lru") for s in ("page_first", "lc_major", "mirror")}
+    for r in rows:
+        if r["staging"] == "page_first":
+            assert r["load_copies_ratio"] == 1.0 and r["backup_copies_ratio"] == 1.0
+    by = {(r["piece_kib"], r["frees"], r["staging"]): r for r in rows}
+    for k in (4, 16):
+        for f in ("random", "lru"):
+            for op in ("load", "backup"):
+                assert by[(k, f, "mirror")][f"{op}_copies"] <= by[(k, f, "lc_major")][f"{op}_copies"]
