@@ -183,25 +183,39 @@ def plan_group_lc(host_base: int, host_page_stride: int, host_lc_stride: int, pi
                          f"{slot_bytes} bytes")
     n = len(keys)
     sizes = chunk_sizes(n, slot_bytes // per_page, ramp_up, ramp_down)
+    if n == 0:
+        return []
+    # runs of consecutive keys, cut at chunk starts
+    first = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=first[1:])
     brk = np.ones(n, dtype=bool)
-    if n > 1:
-        np.not_equal(np.diff(keys), 1, out=brk[1:])
-    lc_off = np.arange(n_lc, dtype=np.int64)
-    lc_abs = ((layer_begin * kv_count + lc_off) * host_lc_stride).astype(np.int64)
+    np.not_equal(np.diff(keys), 1, out=brk[1:])
+    brk[first] = True
+    starts = np.flatnonzero(brk)
+    lengths = np.diff(np.append(starts, n))
+    run_chunk = np.searchsorted(first, starts, side="right") - 1
+    run_lo = np.searchsorted(run_chunk, np.arange(len(sizes) + 1))  # each chunk's first run
+    n_runs = np.diff(run_lo)
+    # copies chunk by chunk, lc by lc, run by run: copy p of chunk k is (lc p // R_k, run p % R_k)
+    per_chunk = n_lc * n_runs
+    copy_lo = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(per_chunk, out=copy_lo[1:])
+    chunk = np.repeat(np.arange(len(sizes), dtype=np.int64), per_chunk)
+    p = np.arange(int(copy_lo[-1]), dtype=np.int64) - copy_lo[chunk]
+    lc, run = np.divmod(p, n_runs[chunk])
+    run += run_lo[chunk]
+    host = (host_base + keys[starts[run]] * host_page_stride
+            + (layer_begin * kv_count + lc) * host_lc_stride).astype(np.uint64)
+    slot = ((lc * np.asarray(sizes, dtype=np.int64)[chunk] + starts[run] - first[chunk]) * piece_bytes
+            ).astype(np.uint64)
+    size = (lengths[run] * piece_bytes).astype(np.uint64)
     chunks = []
-    i0 = 0
-    for m in sizes:
-        b = brk[i0:i0 + m].copy()
-        b[0] = True
-        starts = np.flatnonzero(b)  # run starts, relative to the chunk
-        lengths = np.diff(np.append(starts, m))
-        host = (host_base + keys[i0 + starts] * host_page_stride)[None, :] + lc_abs[:, None]
-        slot = (lc_off[:, None] * m + starts[None, :]) * piece_bytes
-        size = np.broadcast_to(lengths * piece_bytes, host.shape)
-        h, sl, sz = (a.reshape(-1).astype(np.uint64) for a in (host, slot, size))
-        plan = CopyPlan(h, sl, sz) if to_host else CopyPlan(sl, h, sz)
+    for k, m in enumerate(sizes):
+        lo, hi = int(copy_lo[k]), int(copy_lo[k + 1])
+        plan = (CopyPlan(host[lo:hi], slot[lo:hi], size[lo:hi]) if to_host
+                else CopyPlan(slot[lo:hi], host[lo:hi], size[lo:hi]))
+        i0 = int(first[k])
         chunks.append(StagedChunk(i0, i0 + m, plan))
-        i0 += m
     return chunks
 
 
