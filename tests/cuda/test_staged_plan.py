@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from hicache.layout import KVLayout
 from hicache.pool import HostPool
+from hicache.transfer.copy_engine import CopyPlan
 from hicache.transfer.staged import (
     StagedChunk,
     chunk_sizes,
@@ -113,6 +114,35 @@ def test_chunk_sizes_cover_every_page(n: int, per: int, up: int, down: int) -> N
             assert sizes[-down:] == [max(1, per >> k) for k in range(1, down + 1)]
 
 
+def _play_chunk(plan: CopyPlan, cells: list[tuple[int, int, int]], d: np.ndarray, staging: np.ndarray,
+                stage_base: int, host: np.ndarray, dev: np.ndarray, to_host: bool) -> None:
+    """One staged chunk on bytes: ``cells`` are the kernel's (slot page, lc, slot offset) for L1 pages
+    ``d``; a backup gathers L1 into the slot and then runs the DMA ``plan``, a load the reverse."""
+    piece = dev.shape[-1]
+    if to_host:  # gather, then DMA out
+        for p, lc, a in cells:
+            staging[a: a + piece] = dev[lc, d[p]]
+    for dst, src, size in zip(plan.dst.tolist(), plan.src.tolist(), plan.size.tolist(), strict=True):
+        if to_host:
+            host[dst: dst + size] = staging[src - stage_base: src - stage_base + size]
+        else:
+            staging[dst - stage_base: dst - stage_base + size] = host[src: src + size]
+    if not to_host:  # DMA in, then scatter
+        for p, lc, a in cells:
+            dev[lc, d[p]] = staging[a: a + piece]
+
+
+def _transfer_pages(n: int, n_host: int, n_dev: int, seed: int, spread: int,
+                    rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Host and L1 pages of a transfer: a run of consecutive host pages (odd seeds, as the allocator
+    hands them out) or random ones, and random L1 pages."""
+    if seed % 2:
+        h = (np.arange(n) + rng.integers(0, spread)).astype(np.int64)
+    else:
+        h = rng.permutation(n_host)[:n].astype(np.int64)
+    return h, rng.permutation(n_dev)[:n].astype(np.int64)
+
+
 def _block_first_pools(L: int, C: int, piece: int, B: int, n_host: int, n_dev: int,
                        rng: np.random.Generator) -> tuple[HostPool, np.ndarray, np.ndarray]:
     """A block-first pool of random ``piece``-byte pieces (its bytes as a NumPy view) and random L1 pages
@@ -167,18 +197,8 @@ def _simulate_lc(L: int, C: int, piece: int, B: int, n_host: int, n_dev: int, h:
             base = stage_base - l0 * C * m * piece  # the kernel: slot page p, lc -> base + p*piece + lc*m*piece
             cells = [(p, lc, base + p * piece + lc * m * piece - stage_base)
                      for p in range(m) for lc in range(l0 * C, (l0 + ng) * C)]
-            if to_host:  # gather, then DMA out
-                for p, lc, a in cells:
-                    staging[a: a + piece] = dev[lc, d[ch.i0 + p]]
-            for dst, src, size in zip(plan.dst.tolist(), plan.src.tolist(), plan.size.tolist(), strict=True):
-                if to_host:
-                    host[dst: dst + size] = staging[src - stage_base: src - stage_base + size]
-                else:
-                    staging[dst - stage_base: dst - stage_base + size] = host[src: src + size]
+            _play_chunk(plan, cells, d[ch.i0:ch.i1], staging, stage_base, host, dev, to_host)
             copies += plan.n_copies
-            if not to_host:
-                for p, lc, a in cells:
-                    dev[lc, d[ch.i0 + p]] = staging[a: a + piece]
     return (host if to_host else dev), _expected_block_first(pool, host0, dev0, h, d, to_host), copies
 
 
@@ -193,11 +213,7 @@ def test_lc_major_staging_moves_every_piece(L: int, C: int, piece: int, n: int, 
     rng = np.random.default_rng(seed)
     g = min(g, L)
     n_host, n_dev = n + 5, n + 2
-    if seed % 2:  # runs of consecutive host pages, as the allocator hands them out
-        h = (np.arange(n) + rng.integers(0, 5)).astype(np.int64)
-    else:
-        h = rng.permutation(n_host)[:n].astype(np.int64)
-    d = rng.permutation(n_dev)[:n].astype(np.int64)
+    h, d = _transfer_pages(n, n_host, n_dev, seed, 5, rng)
     slot = pages_per_slot * g * C * piece
     got, want, copies = _simulate_lc(L, C, piece, B, n_host, n_dev, h, d, g, slot, to_host, rng, ramp)
     assert np.array_equal(got, want)
@@ -263,17 +279,7 @@ def _simulate_blocks(L: int, C: int, piece: int, B: int, n_host: int, n_dev: int
             cells = [(p, lc, (int(ch.slot_keys[p]) * piece + (lc - l0 * C) * B * piece))
                      for p in range(ch.i1 - ch.i0) for lc in range(l0 * C, (l0 + ng) * C)]
             assert all(a >= 0 and a + piece <= slot for _, _, a in cells)
-            if to_host:
-                for p, lc, a in cells:
-                    staging[a: a + piece] = dev[lc, d[ch.i0 + p]]
-            for dst, src, size in zip(plan.dst.tolist(), plan.src.tolist(), plan.size.tolist(), strict=True):
-                if to_host:
-                    host[dst: dst + size] = staging[src - stage_base: src - stage_base + size]
-                else:
-                    staging[dst - stage_base: dst - stage_base + size] = host[src: src + size]
-            if not to_host:
-                for p, lc, a in cells:
-                    dev[lc, d[ch.i0 + p]] = staging[a: a + piece]
+            _play_chunk(plan, cells, d[ch.i0:ch.i1], staging, stage_base, host, dev, to_host)
     return (host if to_host else dev), _expected_block_first(pool, host0, dev0, h, d, to_host), groups
 
 
@@ -289,11 +295,7 @@ def test_block_mirrored_staging_moves_every_piece(L: int, C: int, piece: int, n:
     rng = np.random.default_rng(seed)
     g = min(g, L)
     n_host, n_dev = n + 9, n + 2
-    if seed % 2:  # runs of consecutive host pages, as the allocator hands them out
-        h = (np.arange(n) + rng.integers(0, 9)).astype(np.int64)
-    else:
-        h = rng.permutation(n_host)[:n].astype(np.int64)
-    d = rng.permutation(n_dev)[:n].astype(np.int64)
+    h, d = _transfer_pages(n, n_host, n_dev, seed, 9, rng)
     slot = blocks_per_slot * g * C * B * piece
     got, want, groups = _simulate_blocks(L, C, piece, B, n_host, n_dev, h, d, g, slot, to_host, rng, ramp)
     assert np.array_equal(got, want)
