@@ -85,7 +85,8 @@ def allocated_pages(cap: int, n: int, rng: np.random.Generator, mean_run: int, l
     """``n`` host pages as the L2 allocator hands them out to requests after churn.
 
     A ``PageAllocator`` of ``cap`` pages is filled and then churned: allocations of a uniform
-    ``mean_run / 2 .. 3 * mean_run / 2`` pages each, with earlier allocations freed whenever one does
+    ``mean_run / 2 .. 3 * mean_run / 2`` pages each (at most half the pool: large pages make small
+    pools), with earlier allocations freed whenever one does
     not fit: random ones (the default, the harsh case), or the oldest first (``lru``, as LRU eviction
     of whole requests would). The transfer's pages are then allocated the same way, request by request.
     """
@@ -99,7 +100,8 @@ def allocated_pages(cap: int, n: int, rng: np.random.Generator, mean_run: int, l
         assert got is not None
         return got
 
-    lo, hi = max(1, mean_run // 2), max(1, 3 * mean_run // 2)
+    hi = max(1, min(3 * mean_run // 2, cap // 2))  # a request never outgrows half the pool
+    lo = max(1, min(mean_run // 2, hi))
     for _ in range(max(8, 4 * cap // max(1, mean_run))):
         live.append(take(int(rng.integers(lo, hi + 1))))
     out: list[np.ndarray] = []
