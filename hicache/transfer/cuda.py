@@ -634,12 +634,12 @@ class CudaTransferEngine(TransferEngine):
         plans = _StagePlans(keys)
         sched = (None if to_host or self.staged_kernel == "resident"
                  else self._load_schedule(len(dev_idx), st, head, layer_wise))
-        if self.block_mirror and self.staged_kernel != "resident":
+        groups = self._backup_shapes(st) if to_host else []
+        if self.block_mirror:  # block-first, so never the resident kernel (page-first only)
             # block-mirrored chunks carry slot keys the kernels read: plan every group shape now, and
             # upload the keys with the indices
             n = len(dev_idx)
-            shapes = (self._backup_shapes(st) if sched is None
-                      else [(u.n_layers, 0, ramp) for u, ramp in _unit_ramps(sched[0])])
+            shapes = groups if sched is None else [(u.n_layers, 0, ramp) for u, ramp in _unit_ramps(sched[0])]
             parts = [both]
             offset = len(both)
             for n_layers, ramp_up, ramp_down in dict.fromkeys(shapes):
@@ -647,8 +647,9 @@ class CudaTransferEngine(TransferEngine):
                                            n_layers, st.slot_bytes, to_host, ramp_up, ramp_down)
                 if chunks is None:
                     continue  # a block of these layers outgrows a slot: lc-major chunks (planned on use)
-                plans.memo[(n_layers, st.slot_bytes, ramp_up, ramp_down)] = chunks
-                plans.key_offset[(n_layers, st.slot_bytes, ramp_up, ramp_down)] = offset
+                shape = (n_layers, st.slot_bytes, ramp_up, ramp_down)
+                plans.memo[shape] = chunks
+                plans.key_offset[shape] = offset
                 parts.append(np.concatenate([ch.slot_keys for ch in chunks if ch.slot_keys is not None]))
                 offset += n
             both = np.concatenate(parts)
@@ -666,7 +667,7 @@ class CudaTransferEngine(TransferEngine):
         st.begin()
         k = 0
         l0 = 0
-        for ng, ramp_up, _ in self._backup_shapes(st):
+        for ng, ramp_up, _ in groups:
             for ch in self._plan_chunks(plans, l0, ng, st.slot_bytes, True, ramp_up, 0):
                 s, base = st.take()
                 plan = with_slot_base(ch.plan, base, True)
