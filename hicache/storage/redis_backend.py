@@ -179,6 +179,20 @@ def is_transient(e: BaseException) -> bool:
                           redis.exceptions.RedisClusterException, ConnectionError, TimeoutError, OSError))
 
 
+def _moved(e: BaseException | None) -> redis.exceptions.MovedError | None:
+    """The redirection in a ``MOVED <slot> <host>:<port>`` reply, or None."""
+    if isinstance(e, redis.exceptions.MovedError):
+        return e
+    if isinstance(e, (ReplyError, redis.exceptions.ResponseError)):
+        parts = str(e.args[0] if e.args else "").split(" ")
+        if len(parts) == 3 and parts[0] == "MOVED":
+            try:
+                return redis.exceptions.MovedError(f"{parts[1]} {parts[2]}")
+            except ValueError:
+                return None
+    return None
+
+
 def _headers(payloads: list[memoryview], ns: bytes, keys: list[bytes]) -> list[bytes]:
     return [encode_header(p, ns, k) for p, k in zip(payloads, keys, strict=True)]
 
@@ -265,15 +279,26 @@ class RedisBackend(StorageBackend):
                 self._cluster = RedisCluster(**self._cluster_args)
             return self._cluster
 
-    def _refresh(self, _e: BaseException | None = None) -> None:
-        """After an error on a Cluster: re-read the slot map (best effort)."""
+    def _refresh(self, e: BaseException | None = None) -> None:
+        """After an error on a Cluster: follow a ``MOVED`` reply, else re-read the slot map (best effort).
+
+        A ``MOVED`` reply names the slot's new owner, which is authoritative at once; a full re-read
+        asks one node, whose view of a slot that just moved may still be the old one.
+        """
         self._count_extra("retries")
         if self._cluster is None:
             return
+        moved = _moved(e)
+        nm = self._cluster.nodes_manager
+        if moved is not None:
+            node = nm.get_node(host=moved.host, port=moved.port)
+            if node is not None and node.redis_connection is not None:
+                nm.move_slot(moved)
+                return
         try:
-            self._cluster.nodes_manager.initialize()
-        except Exception as e:  # the cluster is (still) down; the next attempt decides
-            log.debug("redis cluster: slot map refresh failed: %s", e)
+            nm.initialize()
+        except Exception as err:  # the cluster is (still) down; the next attempt decides
+            log.debug("redis cluster: slot map refresh failed: %s", err)
 
     def _route(self, items: list[_Item]) -> list[tuple[redis.Redis, list[_Item]]]:
         if self._client is not None:

@@ -269,6 +269,35 @@ def test_more_concurrent_operations_than_connections_wait_instead_of_failing(red
     assert short == [] and b.stats().errors == 0
 
 
+def _wait_for_slot_owner(clients: dict, slot: int, port: int, timeout_s: float = 10.0) -> None:
+    """Until every node's CLUSTER SLOTS gives ``slot`` to the node on ``port``."""
+    import time
+
+    def owner(c) -> int | None:
+        for row in c.execute_command("CLUSTER", "SLOTS"):
+            if int(row[0]) <= slot <= int(row[1]):
+                return int(row[2][1])
+        return None
+
+    deadline = time.monotonic() + timeout_s
+    while any(owner(c) != port for c in clients.values()):
+        assert time.monotonic() < deadline, f"slot {slot} did not settle on port {port}"
+        time.sleep(0.05)
+
+
+def test_moved_reply_parses() -> None:
+    """A MOVED reply (ours or redis-py's) gives the slot and the new owner; other errors give None."""
+    from hicache.storage.redis_backend import _moved
+    from hicache.storage.resp import ReplyError
+
+    m = _moved(ReplyError("MOVED 16246 127.0.0.1:47693"))
+    assert m is not None and (m.slot_id, m.host, m.port) == (16246, "127.0.0.1", 47693)
+    assert _moved(ReplyError("ASK 5 127.0.0.1:1")) is None
+    assert _moved(ReplyError("MOVED nonsense")) is None
+    assert _moved(ConnectionError("down")) is None
+    assert _moved(None) is None
+
+
 def test_cluster_follows_a_moved_slot(redis_cluster, open_backend, prefix) -> None:
     """A slot changes owner behind the client's back: the MOVED reply refreshes the map, the retry lands."""
     import redis as redis_py
@@ -287,6 +316,7 @@ def test_cluster_follows_a_moved_slot(redis_cluster, open_backend, prefix) -> No
     target = next(p for p in clients if p != owner.port)
     for c in clients.values():  # an empty slot can be reassigned directly
         c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+    _wait_for_slot_owner(clients, slot, target)  # gossip settles the config epochs
     assert b.batch_set(keys, src, [0, 1, 2, 3]) == 4
     assert b.stats().extra.get("retries", 0) >= 1
     assert clients[target].exists(b.redis_key(keys[0])) == 1
