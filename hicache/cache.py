@@ -151,7 +151,8 @@ class HiCache:
         self.writeback = (Writeback(storage, self.host_pool, s.writeback_queue_pages, s.io_batch_pages,
                                     s.writeback_when_full) if storage is not None and self.has_l2 else None)
         self._prefetch_inflight_bytes = 0
-        self._storage_seen = (0, 0)  # backend (corrupt_pages, errors) already folded into metrics
+        self._storage_seen: dict[str, int] = {}  # backend counters already folded into metrics (by field)
+        self.metrics.on_collect = self._refresh_metrics
         m = self.metrics
         m.pool_total.labels("l1").set(self.device_pool.num_pages)
         m.pool_total.labels("l2").set(config.l2_pages)
@@ -166,6 +167,11 @@ class HiCache:
             raise ValueError(f"namespace layout {ns.layout.describe()} does not match the pool's "
                              f"{self.layout.describe()}")
 
+    def _refresh_metrics(self) -> None:
+        """At a scrape: gauges and L3 counters as they are now (the tree lock guards the bookkeeping)."""
+        with self._lock:
+            self._update_gauges()
+
     def _update_gauges(self) -> None:
         m = self.metrics
         m.used["l1"].set(self.device_pool.allocator.used_pages)
@@ -175,11 +181,11 @@ class HiCache:
         if self.storage is not None:
             st = self.storage.stats()
             seen = self._storage_seen
-            if st.corrupt_pages > seen[0]:
-                m.storage_corrupt_pages.inc(st.corrupt_pages - seen[0])
-            if st.errors > seen[1]:
-                m.storage_errors.inc(st.errors - seen[1])
-            self._storage_seen = (st.corrupt_pages, st.errors)
+            for f, counter in m.storage.items():
+                now = getattr(st, f)
+                if now > seen.get(f, 0):
+                    counter.inc(now - seen.get(f, 0))
+                    seen[f] = now
 
     def _reap(self, wait: bool = False) -> None:
         """Fold in finished L1 -> L2 backups: unlock the node, then hand its pages to L3 writeback."""

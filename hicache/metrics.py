@@ -1,20 +1,55 @@
 """Prometheus metrics, all named ``hicache_*``.
 
 Each cache owns a :class:`Metrics` with its own ``CollectorRegistry`` (so several caches can live in one
-process, e.g. in tests); the service exposes that registry on ``/metrics``.
+process, e.g. in tests); the service exposes that registry on ``/metrics``. Gauges and the L3 backend's
+counters are brought up to date on every cache call and at every scrape (``Metrics.on_collect``), so an
+idle node's figures (writeback draining, L3 recovering) are current. ``docs/metrics.md`` lists them all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 TIERS = ("l1", "l2", "l3")
+# The L3 backend's counters (:class:`hicache.storage.base.StorageStats` fields) exported as Prometheus
+# counters: (field, metric, help).
+STORAGE_COUNTERS = (
+    ("gets", "hicache_storage_pages_read", "Pages read from L3 and verified"),
+    ("get_misses", "hicache_storage_page_misses", "Pages asked of L3 and not returned (absent, damaged, foreign, "
+                                                  "or the store down)"),
+    ("sets", "hicache_storage_pages_written", "Pages written to L3"),
+    ("bytes_read", "hicache_storage_read_bytes", "Bytes of pages read from L3"),
+    ("bytes_written", "hicache_storage_written_bytes", "Bytes of pages written to L3"),
+    ("corrupt_pages", "hicache_storage_corrupt_pages", "L3 pages that failed frame verification (served as misses)"),
+    ("errors", "hicache_storage_errors", "Failed L3 operations (store down, timeout, refused)"),
+)
+
+
+class _Refresh:
+    """A collector with no metrics of its own, registered first: each scrape calls ``on_collect`` before
+    the registry reads the others."""
+
+    def __init__(self, owner: Metrics) -> None:
+        self.owner = owner
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        if self.owner.on_collect is not None:
+            self.owner.on_collect()
+        return iter(())
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        self.on_collect: Callable[[], None] | None = None  # set by the owner: refresh gauges at scrape time
+        r.register(_Refresh(self))  # type: ignore[arg-type]
         self.lookups = Counter("hicache_lookups", "Match calls", registry=r)
         self.lookup_tokens = Counter("hicache_lookup_tokens", "Tokens looked up (full pages)", registry=r)
         self.hit_tokens = Counter("hicache_hit_tokens", "Tokens hit, by tier", ["tier"], registry=r)
@@ -30,9 +65,7 @@ class Metrics:
                                         registry=r)
         self.writeback_dropped_pages = Counter("hicache_writeback_dropped_pages",
                                                "Pages not written to L3 because the queue was full", registry=r)
-        self.storage_errors = Counter("hicache_storage_errors", "Failed L3 operations", registry=r)
-        self.storage_corrupt_pages = Counter("hicache_storage_corrupt_pages",
-                                             "L3 pages that failed frame verification (served as misses)", registry=r)
+        self.storage = {f: Counter(name, doc, registry=r) for f, name, doc in STORAGE_COUNTERS}
         self.pool_used = Gauge("hicache_pool_used_pages", "Pages in use, by tier", ["tier"], registry=r)
         self.pool_total = Gauge("hicache_pool_total_pages", "Pool capacity in pages, by tier", ["tier"], registry=r)
         self.writeback_queue = Gauge("hicache_writeback_queue_pages", "Pages waiting to be written to L3",

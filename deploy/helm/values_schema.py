@@ -183,7 +183,11 @@ def values_schema() -> Schema:
             "metrics": obj({
                 "enabled": BOOL, "port": PORT, "annotations": BOOL,
                 "serviceMonitor": obj({"enabled": BOOL, "interval": DURATION, "scrapeTimeout": DURATION,
-                                       "labels": LABELS})}),
+                                       "labels": LABELS}),
+                "prometheusRule": obj({"enabled": BOOL, "labels": LABELS,
+                                       "matchLatencyP99Seconds": number(positive=True),
+                                       "hitRateBelow": number(0, 1)}),
+                "grafanaDashboard": obj({"enabled": BOOL, "labels": LABELS})}),
             "redis": obj({
                 "enabled": BOOL,
                 "image": obj({"repository": string(minLength=1), "tag": string(minLength=1),

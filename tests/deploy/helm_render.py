@@ -75,9 +75,13 @@ class Rendered:
                 out[k] = base64.b64decode(v).decode()
         return out
 
+    def config_map(self) -> dict[str, Any]:
+        """The ConfigMap with hicache's config (the dashboard's, when enabled, is another)."""
+        (cm,) = [c for c in self.kinds("ConfigMap") if "hicache.yaml" in c.get("data", {})]
+        return cm
+
     def config_text(self) -> str:
-        (cm,) = self.kinds("ConfigMap")
-        return str(cm["data"]["hicache.yaml"])
+        return str(self.config_map()["data"]["hicache.yaml"])
 
     def config_data(self) -> dict[str, Any]:
         data = yaml.safe_load(self.config_text())

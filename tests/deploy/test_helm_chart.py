@@ -44,7 +44,8 @@ CASES: dict[str, dict[str, Any]] = {
         "auth": {"enabled": True},
         "tls": {"enabled": True, "secretName": "hicache-tls", "mtls": True},
         "redis": {"cluster": {"enabled": True, "masters": 3}, "persistence": {"enabled": True, "size": "10Gi"}},
-        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+                    "prometheusRule": {"enabled": True, "hitRateBelow": 0.5}, "grafanaDashboard": {"enabled": True}},
         "node": {"gpu": {"count": 2}, "hostIPC": True},
     },
     "external-store": {"redis": {"enabled": False},
@@ -90,7 +91,7 @@ def test_every_manifest_validates_against_kubernetes(rendered: dict[str, Rendere
     assert len(versions) == 2
     for version in versions:
         for doc in r.docs:
-            if doc["kind"] == "ServiceMonitor":  # a CRD: no schema in Kubernetes itself
+            if doc["kind"] in ("ServiceMonitor", "PrometheusRule"):  # CRDs: no schema in Kubernetes itself
                 continue
             kv.validate(doc, version, strict=True)
 
@@ -438,7 +439,7 @@ def router_config(r: Rendered, tmp_path: Any, argv: list[str] | None = None,
     from hicache.router.cli import overrides_from_args
     from hicache.router.config import load_router_config
 
-    (cm,) = r.kinds("ConfigMap")
+    cm = r.config_map()
     path = tmp_path / "router.yaml"
     path.write_text(cm["data"]["router.yaml"])
     argv = router_argv(r) if argv is None else argv
