@@ -209,3 +209,28 @@ def test_prefetch_policies_bound_the_wait_and_keep_pools_whole(policy) -> None:
         cache.check_integrity()
     finally:
         cache.close()
+
+
+def test_l3_counters_are_current_at_every_scrape() -> None:
+    """The L3 traffic counters and the writeback gauge follow the backend at scrape time, even when the
+    cache itself is idle (the writes finish in the background after the request's last call)."""
+    cache = cache_for("memory://", {})
+    try:
+        tokens = list(range(1, 33))  # 8 pages
+        commit_fresh(cache, tokens, seed=5)
+        rep = cache.flush(10)  # waits for the writes; updates no metric itself
+        assert rep is not None and rep.complete and rep.written_pages == 8
+        page_bytes = cache.layout.bytes_per_page
+        assert metric(cache, "hicache_storage_pages_written_total") == 8
+        assert metric(cache, "hicache_storage_written_bytes_total") == 8 * page_bytes
+        assert metric(cache, "hicache_writeback_queue_pages") == 0
+        cache.evict(l1_pages=8, l2_pages=8)
+        req = cache.match(tokens + [99] * 8)  # 8 pages on L3, then 2 it never had
+        assert req.l3_pages == 8
+        assert cache.prefetch(req) == 8
+        cache.release(req)
+        assert metric(cache, "hicache_storage_pages_read_total") == 8
+        assert metric(cache, "hicache_storage_read_bytes_total") == 8 * page_bytes
+        assert metric(cache, "hicache_storage_errors_total") == 0
+    finally:
+        cache.close()
