@@ -149,7 +149,8 @@ class HiCache:
         self.storage = storage
         self.prefetcher = Prefetcher() if storage is not None else None
         self.writeback = (Writeback(storage, self.host_pool, s.writeback_queue_pages, s.io_batch_pages,
-                                    s.writeback_when_full) if storage is not None and self.has_l2 else None)
+                                    s.writeback_when_full, observe=self.metrics.storage_op["set"].observe)
+                          if storage is not None and self.has_l2 else None)
         self._prefetch_inflight_bytes = 0
         self._storage_seen: dict[str, int] = {}  # backend counters already folded into metrics (by field)
         self.metrics.on_collect = self._refresh_metrics
@@ -321,7 +322,9 @@ class HiCache:
                       list(m.host_nodes), list(m.pending))
         done = req.l1_pages + req.l2_pages
         if l3 and self.storage is not None and done < len(pkeys):
+            t0 = time.perf_counter()
             req.l3_pages = self.storage.batch_exists(pkeys[done:])
+            self.metrics.storage_op["exists"].observe(time.perf_counter() - t0)
         mt = self.metrics
         mt.lookups.inc()
         mt.lookup_tokens.inc(req.num_pages * self.page_size)
@@ -351,7 +354,8 @@ class HiCache:
             self.metrics.prefetch_inflight_bytes.set(self._prefetch_inflight_bytes)
         start = req.l1_pages + req.l2_pages
         req.prefetch = self.prefetcher.submit(PrefetchTask(
-            self.storage, req.keys[start:start + n], self.host_pool, host, s.io_batch_pages, self._free_host_locked))
+            self.storage, req.keys[start:start + n], self.host_pool, host, s.io_batch_pages, self._free_host_locked,
+            observe=self.metrics.storage_op["get"].observe))
         return n
 
     def _free_host_locked(self, pages: np.ndarray) -> None:
@@ -371,6 +375,7 @@ class HiCache:
         else:
             wait = s.prefetch_timeout(task.num_pages * self.page_size)
         n = task.finish(wait)
+        self.metrics.prefetch_seconds.observe(time.monotonic() - task.created_at)
         with self._lock:
             self._prefetch_inflight_bytes -= task.num_pages * self.layout.bytes_per_page
             self.metrics.prefetch_inflight_bytes.set(self._prefetch_inflight_bytes)

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
 TIERS = ("l1", "l2", "l3")
+STORAGE_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 # The L3 backend's counters (:class:`hicache.storage.base.StorageStats` fields) exported as Prometheus
 # counters: (field, metric, help).
 STORAGE_COUNTERS = (
@@ -77,3 +78,10 @@ class Metrics:
         self.used = {t: self.pool_used.labels(t) for t in TIERS[:2]}
         self.match_seconds = Histogram("hicache_match_seconds", "Match latency", registry=r,
                                        buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
+        self.storage_op_seconds = Histogram("hicache_storage_op_seconds", "Time of one batched L3 operation, by op "
+                                            "(exists at match, get by prefetch, set by writeback)", ["op"],
+                                            registry=r, buckets=STORAGE_BUCKETS)
+        self.storage_op = {op: self.storage_op_seconds.labels(op) for op in ("exists", "get", "set")}
+        self.prefetch_seconds = Histogram("hicache_prefetch_seconds", "From an L3 prefetch's start until its "
+                                          "request takes the pages (or gives up, per prefetch_policy)",
+                                          registry=r, buckets=STORAGE_BUCKETS)

@@ -38,6 +38,7 @@ class PrefetchTask:
         host_pages: np.ndarray,
         batch_pages: int,
         release_pages: Callable[[np.ndarray], None],
+        observe: Callable[[float], None] | None = None,
     ) -> None:
         if len(keys) != len(host_pages):
             raise ValueError(f"prefetch: {len(keys)} keys but {len(host_pages)} host pages")
@@ -53,6 +54,7 @@ class PrefetchTask:
         self._host_pool = host_pool
         self._batch = batch_pages
         self._release = release_pages
+        self._observe = observe  # seconds of each batch_get
         self._lock = threading.Lock()  # guards _started / _stop against run() starting
         self._end_lock = threading.Lock()  # serialises finish / cancel
         self._stop = threading.Event()
@@ -85,12 +87,15 @@ class PrefetchTask:
             while self.completed < len(self.keys) and not self._stop.is_set():
                 lo = self.completed
                 hi = min(lo + self._batch, len(self.keys))
+                t0 = time.perf_counter()
                 try:
                     n = self._backend.batch_get(self.keys[lo:hi], self._host_pool, self.host_pages[lo:hi].tolist())
                 except Exception as e:  # a backend must not raise; never let one kill the worker
                     log.warning("prefetch: backend raised %r; stopping this prefetch", e)
                     self.error = e
                     n = 0
+                if self._observe is not None:
+                    self._observe(time.perf_counter() - t0)
                 self.completed = lo + max(0, min(n, hi - lo))
                 if n < hi - lo:
                     break

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -53,7 +54,8 @@ class _Job(NamedTuple):
 
 class Writeback:
     def __init__(self, backend: StorageBackend, host_pool: HostPool, max_pages: int, batch_pages: int,
-                 when_full: str = "block", block_timeout_s: float | None = None) -> None:
+                 when_full: str = "block", block_timeout_s: float | None = None,
+                 observe: Callable[[float], None] | None = None) -> None:
         if max_pages < 1 or batch_pages < 1:
             raise ValueError("writeback: max_pages and batch_pages must be >= 1")
         if when_full not in ("block", "drop"):
@@ -64,6 +66,7 @@ class Writeback:
         self._batch = batch_pages
         self._when_full = when_full
         self._block_timeout = block_timeout_s
+        self._observe = observe  # seconds of each batch_set
         self._q: collections.deque[_Job] = collections.deque()
         self._queued_pages = 0  # queued + being written
         self._busy = False
@@ -131,11 +134,14 @@ class Writeback:
         ok = np.zeros(len(keys), dtype=bool)
         for lo in range(0, len(keys), self._batch):
             hi = min(lo + self._batch, len(keys))
+            t0 = time.perf_counter()
             try:
                 n = self._backend.batch_set(keys[lo:hi], self._host_pool, pages[lo:hi].tolist())
             except Exception as e:  # a backend must not raise; the worker must survive one that does
                 log.warning("writeback: backend raised %r", e)
                 n = 0
+            if self._observe is not None:
+                self._observe(time.perf_counter() - t0)
             self.batches += 1
             ok[lo : lo + max(0, min(n, hi - lo))] = True
         out, off = [], 0

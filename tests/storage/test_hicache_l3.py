@@ -228,9 +228,16 @@ def test_l3_counters_are_current_at_every_scrape() -> None:
         req = cache.match(tokens + [99] * 8)  # 8 pages on L3, then 2 it never had
         assert req.l3_pages == 8
         assert cache.prefetch(req) == 8
+        cache.load_back(req).wait()  # takes the prefetched pages
         cache.release(req)
         assert metric(cache, "hicache_storage_pages_read_total") == 8
         assert metric(cache, "hicache_storage_read_bytes_total") == 8 * page_bytes
         assert metric(cache, "hicache_storage_errors_total") == 0
+        # latency: one exists per match that reached L3, one set per written batch, one get per read batch
+        assert metric(cache, "hicache_storage_op_seconds_count", op="exists") >= 1
+        assert metric(cache, "hicache_storage_op_seconds_count", op="set") >= 1
+        assert metric(cache, "hicache_storage_op_seconds_count", op="get") == 1  # 8 pages: one batch
+        assert metric(cache, "hicache_prefetch_seconds_count") == 1
+        assert 0 < metric(cache, "hicache_prefetch_seconds_sum") < 10
     finally:
         cache.close()
