@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, str] = {
     "doctor": "hicache.bench.doctor_cli",
     "serve": "hicache.service.cli",
     "route": "hicache.router.cli",
+    "status": "hicache.client.status_cli",
 }
 
 

@@ -1,0 +1,147 @@
+"""``hicache status`` against a live node and a live router: what it prints equals what they report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import yaml
+
+from hicache.cli import main
+from hicache.client import HiCacheClient
+
+from .service_harness import REPO, ServerProc, free_port
+
+TOKEN = "s3cret-status"
+
+
+def traffic(target: str, seed: int = 7) -> None:
+    """Two new requests sharing a 4-page prefix: the second hits it on L1."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, 30_000, 64).astype(np.int64)
+    with HiCacheClient(target) as c:
+        for i in range(2):
+            toks = np.concatenate([prefix, rng.integers(0, 30_000, 32)])
+            m = c.match(toks, f"st-{i}")
+            new = c.allocate(f"st-{i}", m.num_pages - m.l1_pages)
+            c.commit(f"st-{i}", toks, np.concatenate([m.device_indices, new]))
+            c.release(f"st-{i}")
+
+
+def status(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = main(["status", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def node(server_factory: Callable[..., ServerProc]) -> ServerProc:
+    s = server_factory()
+    traffic(s.target)
+    return s
+
+
+def test_node_status_equals_its_stats(node: ServerProc, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = status(capsys, f"grpc://{node.target}", "--json")
+    assert rc == 0
+    view = json.loads(out)
+    with HiCacheClient(node.target) as c:
+        st = c.stats()
+    assert view["kind"] == "node"
+    assert view["stats"]["lookup_tokens"] == st.lookup_tokens > 0
+    assert view["stats"]["hit_tokens_l1"] == st.hit_tokens_l1 > 0
+    assert view["hit_rate"] == pytest.approx(st.hit_rate)
+    assert view["l1_used"] == pytest.approx(st.l1_pages_used / st.l1_pages_total)
+
+    rc, out, _ = status(capsys, node.target)
+    assert rc == 0
+    assert out.startswith(f"node {node.target}") and f"hit rate {100 * st.hit_rate:.1f}%" in out
+
+
+def test_watch_gives_rates_over_the_interval(node: ServerProc, capsys: pytest.CaptureFixture[str]) -> None:
+    import threading
+
+    t = threading.Timer(0.2, traffic, args=(node.target, 8))  # two more requests between the readings
+    t.start()
+    rc, out, _ = status(capsys, node.target, "--json", "--watch", "1.0", "--count", "2")
+    t.join()
+    assert rc == 0
+    first, second = (json.loads(line) for line in out.splitlines())
+    assert "interval" not in first
+    iv = second["interval"]
+    assert iv["seconds"] > 0.9
+    d_lookups = second["stats"]["lookups"] - first["stats"]["lookups"]
+    assert d_lookups >= 1  # at least the second request fell between the readings
+    assert iv["lookups_per_s"] == pytest.approx(d_lookups / iv["seconds"])
+    d_tokens = second["stats"]["lookup_tokens"] - first["stats"]["lookup_tokens"]
+    d_hits = sum(second["stats"][f"hit_tokens_{t}"] - first["stats"][f"hit_tokens_{t}"] for t in ("l1", "l2", "l3"))
+    assert iv["hit_rate"] == pytest.approx(d_hits / d_tokens) and 0 < iv["hit_rate"] <= 1
+
+
+def test_token_and_errors(server_factory: Callable[..., ServerProc], capsys: pytest.CaptureFixture[str],
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    s = server_factory(serve={"auth_token": TOKEN})
+    monkeypatch.delenv("HICACHE_TOKEN", raising=False)
+    rc, _, err = status(capsys, s.target)
+    assert rc == 1 and "UNAUTHENTICATED" in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setenv("HICACHE_TOKEN", TOKEN)
+    rc, out, _ = status(capsys, s.target)
+    assert rc == 0 and out.startswith("node ")
+
+    rc, _, err = status(capsys, f"127.0.0.1:{free_port()}", "--timeout", "1")
+    assert rc == 1 and "nothing answering there" in err
+    assert status(capsys, "localhost")[0] == 2
+    assert status(capsys, s.target, "--count", "3")[0] == 2
+    assert status(capsys, s.target, "--watch", "0")[0] == 2
+
+
+@pytest.fixture(scope="module")
+def router(node: ServerProc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    cfg = tmp_path_factory.mktemp("router") / "router.yaml"
+    cfg.write_text(yaml.safe_dump({k: v for k, v in node.config.items() if k in ("layout", "model")}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")}
+    proc = subprocess.Popen([sys.executable, "-m", "hicache.cli", "route", "--config", str(cfg), "--port", "0",
+                             "--node", f"n0={node.target}"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout is not None
+    port = 0
+    for line in proc.stdout:
+        if line.startswith("hicache route: listening on"):
+            port = int(line.split()[4].rsplit(":", 1)[1])
+            break
+    assert port, "router did not start"
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_router_status_lists_its_nodes(router: str, node: ServerProc, capsys: pytest.CaptureFixture[str]) -> None:
+    end = time.monotonic() + 20
+    while True:
+        rc, out, _ = status(capsys, router, "--json")
+        assert rc == 0
+        view = json.loads(out)
+        if view["nodes"][0]["connected"] and view["nodes"][0]["l1_pages"] > 0:
+            break
+        assert time.monotonic() < end, view
+        time.sleep(0.1)
+    assert view["kind"] == "router"
+    (n,) = view["nodes"]
+    assert (n["name"], n["address"], n["breaker"], n["namespace_ok"]) == ("n0", node.target, "closed", True)
+    rc, out, _ = status(capsys, router)
+    assert rc == 0 and out.startswith(f"router {router}")
+    assert any(line.startswith("n0 ") and " yes " in line for line in out.splitlines())
+
+
+def test_help_lists_status(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["status", "--help"])
+    assert "ListNodes" in capsys.readouterr().out
