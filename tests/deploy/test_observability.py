@@ -309,7 +309,13 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         prom.wait("both targets up", lambda: len(prom.query("up == 1")) == 2)
         with open_target(f"grpc://127.0.0.1:{rport}", config_from_dict(NODE_CFG)) as target:
             replay(generate(WorkloadSpec("rag", 120, seed=3)), target)
-        time.sleep(2.5)  # two more scrapes after the last request
+        from hicache.client import HiCacheClient
+
+        with HiCacheClient(f"127.0.0.1:{port}") as c:
+            lookups = c.stats().lookups
+        prom.wait("a scrape after the last request",
+                  lambda: [float(s["value"][1]) for s in prom.query('hicache_lookups_total{job="node"}')]
+                  == [lookups])
         yield Live(prom, f"127.0.0.1:{port}", rules)
     finally:
         for p in procs:
@@ -322,8 +328,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
 
 
 def panel_query(expr: str) -> str:
-    """A dashboard query as Grafana sends it for this namespace, every node pod, a 1-minute rate window."""
-    return expr.replace("$namespace", NAMESPACE).replace("$pod", ".*").replace("$__rate_interval", "1m")
+    """A dashboard query as Grafana sends it for this namespace and every node pod."""
+    # a window reaching back before the replay, to the counters' first (zero) samples: rates then count
+    # everything the replay did, and the hit-rate panel must equal the node's cumulative figures
+    return expr.replace("$namespace", NAMESPACE).replace("$pod", ".*").replace("$__rate_interval", "10m")
 
 
 @needs_prometheus
