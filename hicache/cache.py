@@ -84,6 +84,15 @@ class Request:
         return len(self.device_indices) * self.page_size
 
 
+class PinInfo(NamedTuple):
+    """A pinned prefix (:meth:`HiCache.pin`)."""
+
+    pin_id: int
+    l1_pages: int  # leading pages kept on L1
+    l2_pages: int  # pages continuing them, kept on L2
+    namespace: str  # the namespace's description (model, revision, tenant, layout)
+
+
 class LoadResult(NamedTuple):
     handle: TransferHandle | None  # per-layer readiness of the pages loaded now (None: nothing to load)
     device_indices: np.ndarray  # L1 pages of the whole usable prefix, in order
@@ -141,6 +150,10 @@ class HiCache:
         # L1 -> L2 copies in flight: (handle, node, its page keys, its L2 pages) captured at submission
         self._backups: list[tuple[TransferHandle, TreeNode, list[bytes], np.ndarray]] = []
         self._l3_writing = 0  # pages pinned for L3 writeback
+        # pinned prefixes: id -> (locked L1 node, pinned L2 node, what was pinned)
+        self._pins: dict[int, tuple[TreeNode | None, TreeNode | None, PinInfo]] = {}
+        self._pin_ids = 0
+        self._pinned = [0, 0]  # pages pins hold on L1, L2 (overlapping pins count each time)
         s = config.storage
         if storage is None and s.url:
             ctx = StorageContext(self.ns.digest, self.layout, self.ns.model, self.ns.tp_rank,
@@ -177,6 +190,8 @@ class HiCache:
         m = self.metrics
         m.used["l1"].set(self.device_pool.allocator.used_pages)
         m.used["l2"].set(self.host_pool.allocator.used_pages if self.has_l2 else 0)
+        m.pinned_pages.labels("l1").set(self._pinned[0])
+        m.pinned_pages.labels("l2").set(self._pinned[1])
         if self.writeback is not None:
             m.writeback_queue.set(self.writeback.queued_pages)
         if self.storage is not None:
@@ -573,6 +588,62 @@ class HiCache:
     def _check_open(self, req: Request) -> None:
         if req.released:
             raise ValueError("request already released")
+
+    # ------------------------------------------------------------------ pins
+    def pin(self, tokens: Sequence[int] | np.ndarray, ns: Namespace | None = None) -> PinInfo:
+        """Keep the cached prefix of ``tokens`` where it is until :meth:`unpin`: its L1 pages are never
+        evicted from L1, nor the L2 run continuing them from L2 (a system prompt, a few-shot block, the
+        documents every query reads).
+
+        Pins what is cached now, as :meth:`match` finds it (an L3 run is not fetched: match, prefetch and
+        load it first). The pages stay in the tree as any other: requests hit them and pins do not change
+        what they compute. Pins are not kept across restarts.
+
+        ``ValueError`` when no page of the prefix is cached; :class:`CacheFullError` when the pages pins
+        hold would pass ``cache.max_pinned_fraction`` of L1 or L2 (overlapping pins count each time).
+        """
+        ns = ns or self.ns
+        self._check_ns(ns)
+        tb = tokens_to_bytes(tokens)
+        tb = tb[: len(tb) - len(tb) % (self.page_size * 4)]
+        frac = self.config.cache.max_pinned_fraction
+        with self._lock:
+            self._reap()
+            m = self.tree.match(ns.digest, tb)
+            if m.l1_pages + m.l2_pages == 0:
+                raise ValueError("pin: no page of this prefix is cached")
+            l1, l2 = self._pinned[0] + m.l1_pages, self._pinned[1] + m.l2_pages
+            if l1 > frac * self.device_pool.num_pages or l2 > frac * self.config.l2_pages:
+                raise CacheFullError(f"pin: pins would hold {l1} L1 / {l2} L2 pages, over "
+                                     f"cache.max_pinned_fraction={frac} of {self.device_pool.num_pages} / "
+                                     f"{self.config.l2_pages}")
+            host = m.host_nodes[-1] if m.host_nodes else None
+            self.tree.lock(m.l1_node)
+            self.tree.pin_host(host)
+            self._pin_ids += 1
+            info = PinInfo(self._pin_ids, m.l1_pages, m.l2_pages, ns.describe())
+            self._pins[info.pin_id] = (m.l1_node, host, info)
+            self._pinned = [l1, l2]
+            self._update_gauges()
+            return info
+
+    def unpin(self, pin_id: int) -> PinInfo:
+        """Let the pages of pin ``pin_id`` be evicted again (by the eviction policy, in its own time);
+        ``KeyError`` for an unknown id."""
+        with self._lock:
+            if pin_id not in self._pins:
+                raise KeyError(f"unpin: no pin {pin_id}")
+            node, host, info = self._pins.pop(pin_id)
+            self.tree.unlock(node)
+            self.tree.unpin_host(host)
+            self._pinned = [self._pinned[0] - info.l1_pages, self._pinned[1] - info.l2_pages]
+            self._update_gauges()
+            return info
+
+    def pins(self) -> list[PinInfo]:
+        """The pins held now, oldest first."""
+        with self._lock:
+            return [info for _, _, info in self._pins.values()]
 
     # ------------------------------------------------------------------ maintenance
     def evict(self, l1_pages: int = 0, l2_pages: int = 0) -> tuple[int, int]:

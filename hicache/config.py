@@ -99,6 +99,7 @@ class CacheConfig:
     write_policy: str = "write_through_selective"
     eviction_policy: str = "reuse_lru"  # LRU, learned one-off leaves first (hicache.eviction.ReuseLRU)
     io_backend: str = "auto"  # auto | cpu | kernel | copy_engine | staged
+    max_pinned_fraction: float = 0.5  # of L1 (and of L2) that pinned prefixes may hold (HiCache.pin)
     # CUDA transfer engine tuning (TRANSFER_OPTIONS), e.g. {stagger_ways: 4, ce_min_copy_bytes: 65536}
     transfer_options: dict[str, Any] = field(default_factory=dict)
 
@@ -113,6 +114,8 @@ class CacheConfig:
         names = policy_names()
         _require(self.eviction_policy in names, "cache.eviction_policy", f"one of {names}", self.eviction_policy)
         _require(self.io_backend in IO_BACKENDS, "cache.io_backend", f"one of {IO_BACKENDS}", self.io_backend)
+        _require(0 <= self.max_pinned_fraction <= 1, "cache.max_pinned_fraction", "in [0, 1]",
+                 self.max_pinned_fraction)
         for key, value in self.transfer_options.items():
             where = f"cache.transfer_options.{key}"
             _require(key in TRANSFER_OPTIONS, "cache.transfer_options", f"keys among {list(TRANSFER_OPTIONS)}", key)

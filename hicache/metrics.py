@@ -69,6 +69,8 @@ class Metrics:
         self.storage = {f: Counter(name, doc, registry=r) for f, name, doc in STORAGE_COUNTERS}
         self.pool_used = Gauge("hicache_pool_used_pages", "Pages in use, by tier", ["tier"], registry=r)
         self.pool_total = Gauge("hicache_pool_total_pages", "Pool capacity in pages, by tier", ["tier"], registry=r)
+        self.pinned_pages = Gauge("hicache_pinned_pages", "Pages pinned prefixes hold, by tier (HiCache.pin)",
+                                  ["tier"], registry=r)
         self.writeback_queue = Gauge("hicache_writeback_queue_pages", "Pages waiting to be written to L3",
                                      registry=r)
         self.prefetch_inflight_bytes = Gauge("hicache_prefetch_inflight_bytes", "Bytes of L3 prefetches in flight",

@@ -102,7 +102,7 @@ def config_schema() -> Schema:
             "l1_tokens": integer(1), "l2_tokens": integer(0), "host_layout": enum(list(HOST_LAYOUTS)),
             "host_block_pages": integer(0),
             "write_policy": enum(WRITE_POLICIES), "eviction_policy": enum(policy_names()),
-            "io_backend": enum(IO_BACKENDS),
+            "io_backend": enum(IO_BACKENDS), "max_pinned_fraction": number(0, 1),
             "transfer_options": obj({**{k: integer(low) for k, low in TRANSFER_INT_OPTIONS.items()},
                                      **{k: enum(list(v)) for k, v in TRANSFER_CHOICE_OPTIONS.items()}},
                                     description="tuning of the GPU transfer engine")},

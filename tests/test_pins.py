@@ -1,0 +1,158 @@
+"""Pinned prefixes (HiCache.pin / unpin): kept on their tiers under any eviction pressure, and only while
+pinned; bounded by cache.max_pinned_fraction; a hit on them computes what a fresh prefill would."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.cache import CacheFullError, HiCache
+from kvhelpers import commit_fresh, kv_equal, read_kv, small_config
+
+PS = 4  # small_config: pages of 4 tokens, L1 16 pages, L2 32 pages
+
+
+def prompt(seed: int, pages: int) -> list[int]:
+    return [seed * 1000 + i for i in range(pages * PS)]
+
+
+def flood(cache: HiCache, first_seed: int, n: int, pages: int = 4) -> None:
+    """Commit ``n`` new prompts: enough to push everything unpinned out of L1 (and L2)."""
+    for s in range(first_seed, first_seed + n):
+        commit_fresh(cache, prompt(s, pages), seed=s)
+
+
+def test_pinned_l1_prefix_survives_pressure_and_is_released_by_unpin() -> None:
+    cache = HiCache(small_config(cache={"l2_tokens": 0, "eviction_policy": "lru"}))
+    system = prompt(1, 4)
+    kv = commit_fresh(cache, system, seed=1)
+    pin = cache.pin(system)
+    assert (pin.l1_pages, pin.l2_pages) == (4, 0)
+    assert cache.pins() == [pin]
+    flood(cache, 100, 12)  # 48 pages through a 16-page L1
+    req = cache.match(system)
+    assert req.l1_pages == 4  # still there, byte for byte
+    assert kv_equal(read_kv(cache, req.device_indices), kv)
+    cache.release(req)
+    cache.check_integrity()
+
+    assert cache.unpin(pin.pin_id) == pin and cache.pins() == []
+    flood(cache, 200, 12)
+    req = cache.match(system)
+    assert req.l1_pages == 0  # evictable again, and evicted
+    cache.release(req)
+    cache.check_integrity()
+    cache.close()
+
+
+def test_unpinned_control_is_evicted() -> None:
+    cache = HiCache(small_config(cache={"l2_tokens": 0, "eviction_policy": "lru"}))
+    system = prompt(1, 4)
+    commit_fresh(cache, system, seed=1)
+    flood(cache, 100, 12)
+    req = cache.match(system)
+    assert req.l1_pages == 0
+    cache.release(req)
+    cache.close()
+
+
+def test_pin_keeps_an_l2_run_on_l2() -> None:
+    cache = HiCache(small_config(cache={"write_policy": "write_through", "eviction_policy": "lru"}))
+    doc = prompt(2, 6)
+    kv = commit_fresh(cache, doc, seed=2)
+    cache.flush(5)
+    assert cache.evict(l1_pages=16) == (6, 0)  # now on L2 only
+    pin = cache.pin(doc)
+    assert (pin.l1_pages, pin.l2_pages) == (0, 6)
+    flood(cache, 300, 24)  # 96 pages through 16 L1 + 32 L2 pages
+    req = cache.match(doc)
+    assert (req.l1_pages, req.l2_pages) == (0, 6)
+    load = cache.load_back(req)
+    load.wait()
+    assert kv_equal(read_kv(cache, load.device_indices), kv)  # a hit computes what the prefill did
+    cache.release(req)
+    cache.unpin(pin.pin_id)
+    cache.check_integrity()
+    cache.close()
+
+
+def test_pin_errors_leave_nothing_behind() -> None:
+    cache = HiCache(small_config(cache={"l2_tokens": 0, "max_pinned_fraction": 0.5}))
+    with pytest.raises(ValueError, match="no page of this prefix is cached"):
+        cache.pin(prompt(9, 3))
+    a, b = prompt(1, 6), prompt(2, 4)
+    commit_fresh(cache, a, seed=1)
+    commit_fresh(cache, b, seed=2)
+    pa = cache.pin(a)  # 6 of the 8 pages pins may hold
+    with pytest.raises(CacheFullError, match="max_pinned_fraction"):
+        cache.pin(b)  # 10 > 8
+    assert cache.pins() == [pa]
+    with pytest.raises(KeyError):
+        cache.unpin(pa.pin_id + 1)
+    cache.unpin(pa.pin_id)
+    with pytest.raises(KeyError):
+        cache.unpin(pa.pin_id)  # once only
+    assert cache.tree.locked_device_pages == 0  # every lock the pins took is gone
+    cache.check_integrity()
+    assert cache.metrics.registry.get_sample_value("hicache_pinned_pages", {"tier": "l1"}) == 0
+    cache.close()
+
+
+def test_pins_of_a_tenant_stay_in_its_namespace() -> None:
+    cache = HiCache(small_config(cache={"l2_tokens": 0, "eviction_policy": "lru"}))
+    acme = cache.namespace("acme")
+    system = prompt(1, 4)
+    req = cache.match(system, acme)
+    pages = cache.alloc(req, 4)
+    cache.commit(req, system, pages)
+    cache.release(req)
+    with pytest.raises(ValueError):
+        cache.pin(system)  # the default namespace has none of it
+    pin = cache.pin(system, acme)
+    assert pin.l1_pages == 4 and "acme" in pin.namespace
+    assert cache.metrics.registry.get_sample_value("hicache_pinned_pages", {"tier": "l1"}) == 4
+    cache.unpin(pin.pin_id)
+    cache.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["commit", "pin", "unpin", "evict"]), st.integers(0, 7)),
+                min_size=1, max_size=40))
+def test_random_pins_hold_their_pages_and_the_pools_stay_consistent(ops: list[tuple[str, int]]) -> None:
+    """Any interleaving: a live pin's pages stay on their tiers; the pools and tree stay consistent."""
+    cache = HiCache(small_config(cache={"write_policy": "write_through", "eviction_policy": "lru",
+                                        "max_pinned_fraction": 1.0}))
+    live: dict[int, tuple[list[int], int, int]] = {}
+    try:
+        for op, k in ops:
+            toks = prompt(k, 2 + k % 3)
+            if op == "commit":
+                req = cache.match(toks)
+                try:
+                    new = cache.alloc(req, req.num_pages - req.l1_pages - req.l2_pages)
+                    load = cache.load_back(req)
+                    load.wait()
+                    cache.commit(req, toks, list(load.device_indices) + list(new))
+                except CacheFullError:
+                    pass  # everything pinned or locked: the request is refused, nothing breaks
+                cache.release(req)
+            elif op == "pin":
+                try:
+                    p = cache.pin(toks)
+                    live[p.pin_id] = (toks, p.l1_pages, p.l2_pages)
+                except (ValueError, CacheFullError):
+                    pass
+            elif op == "unpin" and live:
+                pid = sorted(live)[k % len(live)]
+                cache.unpin(pid)
+                del live[pid]
+            else:
+                cache.evict(l1_pages=16, l2_pages=32)
+            cache.check_integrity()
+            for toks, l1, l2 in live.values():
+                req = cache.match(toks, l3=False)
+                assert req.l1_pages >= l1 and req.l1_pages + req.l2_pages >= l1 + l2
+                cache.release(req)
+    finally:
+        cache.close()
