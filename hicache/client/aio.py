@@ -39,6 +39,7 @@ from hicache.client.types import (
     Event,
     FlushResult,
     MatchResult,
+    PinInfo,
     PoolInfo,
     PrefetchProgress,
     Stats,
@@ -134,6 +135,21 @@ class AsyncHiCacheClient:
         """Wait (up to the call's deadline) until the node's backups in flight and queued L3 writes are
         done; ``complete`` says everything reached the store."""
         return FlushResult.from_pb(await self._call(self.stub.Flush, pb.FlushRequest(), timeout_s))
+
+    async def pin(self, tokens: Tokens, *, tenant: str = "", timeout_s: float | None = None) -> PinInfo:
+        """Keep the cached prefix of ``tokens`` on its tiers on the node until :meth:`unpin` (pins what is
+        cached now; NOT_FOUND when nothing is, RESOURCE_EXHAUSTED past the node's pinned-page bound)."""
+        req = pb.PinRequest(namespace=ns_ref(tenant), tokens=encode_tokens(tokens))
+        return PinInfo.from_pb(await self._call(self.stub.Pin, req, timeout_s))
+
+    async def unpin(self, pin_id: int, timeout_s: float | None = None) -> PinInfo:
+        """End pin ``pin_id`` (NOT_FOUND when there is no such pin)."""
+        return PinInfo.from_pb(await self._call(self.stub.Unpin, pb.UnpinRequest(pin_id=pin_id), timeout_s))
+
+    async def pins(self, timeout_s: float | None = None) -> list[PinInfo]:
+        """The pins the node holds, oldest first."""
+        resp = await self._call(self.stub.ListPins, pb.ListPinsRequest(), timeout_s)
+        return [PinInfo.from_pb(p) for p in resp.pins]
 
     async def pool_info(self, timeout_s: float | None = None) -> PoolInfo:
         return PoolInfo.from_pb(await self._call(self.stub.GetPoolInfo, pb.GetPoolInfoRequest(), timeout_s))

@@ -153,7 +153,8 @@ def render(view: dict[str, Any], target: str) -> str:
                  f"  L3 {s['storage_pages_written']} pages written, {s['storage_pages_read']} read, "
                  f"{s['storage_errors']} errors, {s['storage_corrupt_pages']} corrupt; writeback queue "
                  f"{s['writeback_queue_pages']} pages",
-                 f"  {s['open_requests']} open requests; event sequence {s['event_sequence']}"]
+                 f"  {s['open_requests']} open requests; {s['pins']} pins holding {s['pinned_l1_pages']} L1 / "
+                 f"{s['pinned_l2_pages']} L2 pages; event sequence {s['event_sequence']}"]
         iv = view.get("interval")
         if iv:
             lines.append(f"  last {iv['seconds']:.1f} s: {iv['lookups_per_s']:.1f} matches/s, "

@@ -103,6 +103,19 @@ class FlushResult(NamedTuple):
                    int(m.pending_pages), bool(m.complete))
 
 
+class PinInfo(NamedTuple):
+    """A prefix pinned on the node (``pin``): its pages there stay on their tiers until ``unpin``."""
+
+    pin_id: int
+    l1_pages: int  # leading pages kept on L1
+    l2_pages: int  # pages continuing them, kept on L2
+    namespace: str
+
+    @classmethod
+    def from_pb(cls, m: pb.PinInfo) -> PinInfo:
+        return cls(int(m.pin_id), int(m.l1_pages), int(m.l2_pages), str(m.namespace))
+
+
 @dataclass(frozen=True)
 class Stats:
     l1_pages_total: int
@@ -124,6 +137,9 @@ class Stats:
     storage_pages_read: int
     storage_errors: int
     storage_corrupt_pages: int
+    pins: int
+    pinned_l1_pages: int
+    pinned_l2_pages: int
 
     @property
     def hit_rate(self) -> float:

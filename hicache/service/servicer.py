@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from hicache.cache import CacheFullError, HiCache, LoadResult, Request
+from hicache.cache import CacheFullError, HiCache, LoadResult, PinInfo, Request
 from hicache.config import ServeConfig
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
@@ -350,6 +350,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             return int(v or 0)
 
         storage = st.get("storage")
+        pins = self.cache.pins()
         return pb.StatsResponse(
             l1_pages_total=st["l1_pages_total"], l1_pages_used=st["l1_pages_used"],
             l1_pages_cached=st["l1_pages_cached"], l1_pages_locked=st["l1_pages_locked"],
@@ -363,6 +364,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             storage_pages_written=storage.sets if storage else 0, storage_pages_read=storage.gets if storage else 0,
             storage_errors=storage.errors if storage else 0,
             storage_corrupt_pages=storage.corrupt_pages if storage else 0,
+            pins=len(pins), pinned_l1_pages=sum(p.l1_pages for p in pins),
+            pinned_l2_pages=sum(p.l2_pages for p in pins),
         )
 
     @unary
@@ -376,6 +379,33 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         return pb.FlushResponse(has_storage=True, written_pages=report.written_pages,
                                 failed_pages=report.failed_pages, dropped_pages=report.dropped_pages,
                                 pending_pages=report.pending_pages, complete=report.complete)
+
+    # ------------------------------------------------------------------ pins
+    @staticmethod
+    def _pin_pb(info: PinInfo) -> pb.PinInfo:
+        return pb.PinInfo(pin_id=info.pin_id, l1_pages=info.l1_pages, l2_pages=info.l2_pages,
+                          namespace=info.namespace)
+
+    @unary
+    async def Pin(self, request: pb.PinRequest, context: Ctx) -> pb.PinInfo:
+        tb = token_bytes(request.tokens, request.token_ids, self.max_tokens)
+        ns = self._ns(request.namespace)
+        try:
+            info = self.cache.pin(np.frombuffer(tb, dtype="<u4"), ns)
+        except ValueError as e:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, str(e)) from None
+        return self._pin_pb(info)
+
+    @unary
+    async def Unpin(self, request: pb.UnpinRequest, context: Ctx) -> pb.PinInfo:
+        try:
+            return self._pin_pb(self.cache.unpin(request.pin_id))
+        except KeyError:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"pin_id: no pin {request.pin_id}") from None
+
+    @unary
+    async def ListPins(self, request: pb.ListPinsRequest, context: Ctx) -> pb.ListPinsResponse:
+        return pb.ListPinsResponse(pins=[self._pin_pb(p) for p in self.cache.pins()])
 
     @streaming
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: Ctx) -> AsyncIterator[pb.Event]:

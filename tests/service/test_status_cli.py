@@ -62,6 +62,7 @@ def test_node_status_equals_its_stats(node: ServerProc, capsys: pytest.CaptureFi
     rc, out, _ = status(capsys, node.target)
     assert rc == 0
     assert out.startswith(f"node {node.target}") and f"hit rate {100 * st.hit_rate:.1f}%" in out
+    assert "0 pins holding 0 L1 / 0 L2 pages" in out
 
 
 def test_watch_gives_rates_over_the_interval(node: ServerProc, capsys: pytest.CaptureFixture[str]) -> None:

@@ -157,7 +157,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("l1_pages_total", "l1_pages_used", "l1_pages_cached", "l1_pages_locked", "l2_pages_total", "l2_pages_used", "l2_pages_cached", "writeback_queue_pages", "lookups", "lookup_tokens", "hit_tokens_l1", "hit_tokens_l2", "hit_tokens_l3", "open_requests", "event_sequence", "storage_pages_written", "storage_pages_read", "storage_errors", "storage_corrupt_pages")
+    __slots__ = ("l1_pages_total", "l1_pages_used", "l1_pages_cached", "l1_pages_locked", "l2_pages_total", "l2_pages_used", "l2_pages_cached", "writeback_queue_pages", "lookups", "lookup_tokens", "hit_tokens_l1", "hit_tokens_l2", "hit_tokens_l3", "open_requests", "event_sequence", "storage_pages_written", "storage_pages_read", "storage_errors", "storage_corrupt_pages", "pins", "pinned_l1_pages", "pinned_l2_pages")
     L1_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     L1_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
     L1_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,9 @@ class StatsResponse(_message.Message):
     STORAGE_PAGES_READ_FIELD_NUMBER: _ClassVar[int]
     STORAGE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     STORAGE_CORRUPT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_L1_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_L2_PAGES_FIELD_NUMBER: _ClassVar[int]
     l1_pages_total: int
     l1_pages_used: int
     l1_pages_cached: int
@@ -196,7 +199,10 @@ class StatsResponse(_message.Message):
     storage_pages_read: int
     storage_errors: int
     storage_corrupt_pages: int
-    def __init__(self, l1_pages_total: _Optional[int] = ..., l1_pages_used: _Optional[int] = ..., l1_pages_cached: _Optional[int] = ..., l1_pages_locked: _Optional[int] = ..., l2_pages_total: _Optional[int] = ..., l2_pages_used: _Optional[int] = ..., l2_pages_cached: _Optional[int] = ..., writeback_queue_pages: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens_l1: _Optional[int] = ..., hit_tokens_l2: _Optional[int] = ..., hit_tokens_l3: _Optional[int] = ..., open_requests: _Optional[int] = ..., event_sequence: _Optional[int] = ..., storage_pages_written: _Optional[int] = ..., storage_pages_read: _Optional[int] = ..., storage_errors: _Optional[int] = ..., storage_corrupt_pages: _Optional[int] = ...) -> None: ...
+    pins: int
+    pinned_l1_pages: int
+    pinned_l2_pages: int
+    def __init__(self, l1_pages_total: _Optional[int] = ..., l1_pages_used: _Optional[int] = ..., l1_pages_cached: _Optional[int] = ..., l1_pages_locked: _Optional[int] = ..., l2_pages_total: _Optional[int] = ..., l2_pages_used: _Optional[int] = ..., l2_pages_cached: _Optional[int] = ..., writeback_queue_pages: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens_l1: _Optional[int] = ..., hit_tokens_l2: _Optional[int] = ..., hit_tokens_l3: _Optional[int] = ..., open_requests: _Optional[int] = ..., event_sequence: _Optional[int] = ..., storage_pages_written: _Optional[int] = ..., storage_pages_read: _Optional[int] = ..., storage_errors: _Optional[int] = ..., storage_corrupt_pages: _Optional[int] = ..., pins: _Optional[int] = ..., pinned_l1_pages: _Optional[int] = ..., pinned_l2_pages: _Optional[int] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ("timeout_s",)
@@ -219,6 +225,44 @@ class FlushResponse(_message.Message):
     pending_pages: int
     complete: bool
     def __init__(self, has_storage: _Optional[bool] = ..., written_pages: _Optional[int] = ..., failed_pages: _Optional[int] = ..., dropped_pages: _Optional[int] = ..., pending_pages: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("namespace", "tokens", "token_ids")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    namespace: NamespaceRef
+    tokens: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[_Union[NamespaceRef, _Mapping]] = ..., tokens: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PinInfo(_message.Message):
+    __slots__ = ("pin_id", "l1_pages", "l2_pages", "namespace")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    L1_PAGES_FIELD_NUMBER: _ClassVar[int]
+    L2_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    pin_id: int
+    l1_pages: int
+    l2_pages: int
+    namespace: str
+    def __init__(self, pin_id: _Optional[int] = ..., l1_pages: _Optional[int] = ..., l2_pages: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("pin_id",)
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    pin_id: int
+    def __init__(self, pin_id: _Optional[int] = ...) -> None: ...
+
+class ListPinsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPinsResponse(_message.Message):
+    __slots__ = ("pins",)
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    pins: _containers.RepeatedCompositeFieldContainer[PinInfo]
+    def __init__(self, pins: _Optional[_Iterable[_Union[PinInfo, _Mapping]]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("max_queue",)

@@ -99,6 +99,21 @@ class HiCacheStub:
                 request_serializer=hicache_dot_v1_dot_hicache__pb2.FlushRequest.SerializeToString,
                 response_deserializer=hicache_dot_v1_dot_hicache__pb2.FlushResponse.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/hicache.v1.HiCache/Pin',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.PinRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.PinInfo.FromString,
+                _registered_method=True)
+        self.Unpin = channel.unary_unary(
+                '/hicache.v1.HiCache/Unpin',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.UnpinRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.PinInfo.FromString,
+                _registered_method=True)
+        self.ListPins = channel.unary_unary(
+                '/hicache.v1.HiCache/ListPins',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.ListPinsRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.ListPinsResponse.FromString,
+                _registered_method=True)
 
 
 class HiCacheServicer:
@@ -200,6 +215,28 @@ class HiCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Keep the cached prefix of `tokens` on its tiers until Unpin: its L1 pages are never evicted from L1,
+        nor the L2 run continuing them from L2 (system prompts, few-shot blocks, shared documents). Pins what
+        is cached now; NOT_FOUND when nothing is, RESOURCE_EXHAUSTED past cache.max_pinned_fraction. Pins
+        belong to the node, not to a request or a connection, and end with Unpin or a restart.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unpin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPins(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HiCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -267,6 +304,21 @@ def add_HiCacheServicer_to_server(servicer, server):
                     servicer.Flush,
                     request_deserializer=hicache_dot_v1_dot_hicache__pb2.FlushRequest.FromString,
                     response_serializer=hicache_dot_v1_dot_hicache__pb2.FlushResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.PinRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.PinInfo.SerializeToString,
+            ),
+            'Unpin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unpin,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.UnpinRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.PinInfo.SerializeToString,
+            ),
+            'ListPins': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPins,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.ListPinsRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.ListPinsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -620,6 +672,87 @@ class HiCache:
             '/hicache.v1.HiCache/Flush',
             hicache_dot_v1_dot_hicache__pb2.FlushRequest.SerializeToString,
             hicache_dot_v1_dot_hicache__pb2.FlushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.HiCache/Pin',
+            hicache_dot_v1_dot_hicache__pb2.PinRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.PinInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unpin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.HiCache/Unpin',
+            hicache_dot_v1_dot_hicache__pb2.UnpinRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.PinInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPins(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.HiCache/ListPins',
+            hicache_dot_v1_dot_hicache__pb2.ListPinsRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.ListPinsResponse.FromString,
             options,
             channel_credentials,
             insecure,
