@@ -1,9 +1,10 @@
 """Host cost of planning a staged transfer, and the copies each plan makes (CPU only).
 
-A staged transfer's host submission is mostly planning (NumPy) and one batched-memcpy entry per copy, so
-fewer copies mean less host time. For each piece size and churn, the host pages of a 256 MiB transfer of
-32 layers come from the L2 allocator after churn (``transfer_bandwidth.allocated_pages``), and three
-plans are made of them, as the CUDA engine makes them:
+A staged transfer's host submission is mostly planning (NumPy), one batched-memcpy entry per copy, and a
+kernel launch, a batched-memcpy call and events per chunk, so fewer copies and fewer chunks mean less host
+time. For each piece size, the host pages of a 256 MiB transfer of 32 layers come from the L2 allocator
+after churn (``transfer_bandwidth.allocated_pages``: random or LRU frees), or are scattered at random
+over the pool, and three plans are made of them, as the CUDA engine makes them:
 
 * ``page_first``: :func:`~hicache.transfer.staged.plan_group` on a page-first pool (layer-wise loads in
   groups of :func:`~hicache.transfer.staged.group_layers` layers, backups of whole pages), the baseline;
@@ -11,8 +12,8 @@ plans are made of them, as the CUDA engine makes them:
   a time, planned once and shifted; backups of whole pages);
 * ``mirror``: :func:`~hicache.transfer.staged.plan_group_blocks` on a block-first pool.
 
-Each row prints the copies and the planning time of a layer-wise load and of a backup, and their ratios
-to the page-first plan of the same pages.
+Each row prints the copies, the chunks and the planning time of a layer-wise load and of a backup, and
+the ratios of copies and time to the page-first plan of the same pages.
 
     python benchmarks/staged_planning.py [--reps 20] [--json out/staged_planning.json]
 """
@@ -47,15 +48,15 @@ MIN_RUN = 64 << 10  # ce_min_copy_bytes: page-first layer groups reach this run 
 Plan = Callable[[], list[StagedChunk]]
 
 
-def _timed(fn: Plan, reps: int) -> tuple[float, int]:
-    """Median seconds of ``fn`` over ``reps`` calls, and the copies of its chunks."""
+def _timed(fn: Plan, reps: int) -> tuple[float, int, int]:
+    """Median seconds of ``fn`` over ``reps`` calls, the copies of its chunks, and the chunks."""
     times = []
     chunks: list[StagedChunk] = []
     for _ in range(reps):
         t = time.perf_counter()
         chunks = fn()
         times.append(time.perf_counter() - t)
-    return float(np.median(times)), sum(c.plan.n_copies for c in chunks)
+    return float(np.median(times)), sum(c.plan.n_copies for c in chunks), len(chunks)
 
 
 def plans(h: np.ndarray, piece: int, layers: int, block_pages: int) -> dict[str, dict[str, Plan]]:
@@ -107,19 +108,21 @@ def main(argv: list[str] | None = None) -> int:
         piece = kib << 10
         B = max(1, min(64, (64 << 10) // piece))  # HostPool's default block for this piece size
         n = (args.total_mib << 20) // (args.layers * 2 * piece)
-        for frees in ("random", "lru"):
-            h = np.sort(allocated_pages(args.pool_pages, n, np.random.default_rng(args.seed), 64, frees == "lru"))
+        for frees in ("random", "lru", "scattered"):
+            rng = np.random.default_rng(args.seed)
+            h = np.sort(rng.permutation(args.pool_pages)[:n] if frees == "scattered"
+                        else allocated_pages(args.pool_pages, n, rng, 64, frees == "lru"))
             base: dict[str, tuple[float, int]] = {}
             for name, ops in plans(h, piece, args.layers, B).items():
                 row: dict[str, Any] = {"piece_kib": kib, "frees": frees, "pages": n, "block_pages": B,
                                        "staging": name}
                 line = f"{kib:>3} KiB {frees:>6} {name:>10}:"
                 for op, fn in ops.items():
-                    sec, copies = _timed(fn, args.reps)
+                    sec, copies, n_chunks = _timed(fn, args.reps)
                     base.setdefault(op, (sec, copies))
-                    row |= {f"{op}_ms": sec * 1e3, f"{op}_copies": copies,
+                    row |= {f"{op}_ms": sec * 1e3, f"{op}_copies": copies, f"{op}_chunks": n_chunks,
                             f"{op}_ms_ratio": sec / base[op][0], f"{op}_copies_ratio": copies / base[op][1]}
-                    line += (f"  {op} {copies:6d} copies ({copies / base[op][1]:.2f}x) "
+                    line += (f"  {op} {copies:6d} copies ({copies / base[op][1]:.2f}x) {n_chunks:4d} chunks "
                              f"{sec * 1e3:6.2f} ms ({sec / base[op][0]:.2f}x)")
                 rows.append(row)
                 print(line, flush=True)

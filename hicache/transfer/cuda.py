@@ -71,8 +71,9 @@ I/O backends (``io_backend``):
   run of consecutive host pages), loads one layer per unit, never staggered, scattered on one lane
   unless ``stage_lanes`` is set (:func:`~hicache.transfer.staged.plan_group_lc`). A block-first pool's
   slots mirror its blocks by default (``block_staging: mirror``,
-  :func:`~hicache.transfer.staged.plan_group_blocks`): a block the transfer covers is one copy, and the
-  kernels find each page in the slot through slot keys uploaded with the indices. Kernels and planners
+  :func:`~hicache.transfer.staged.plan_group_blocks`): a block the transfer covers is one copy, the runs
+  of partial blocks are packed into the slot, and the kernels find each page in the slot through slot
+  keys uploaded with the indices. Kernels and planners
   address host pages by ``HostPool.host_keys``, which covers every layout with a page and a slot stride.
   See :mod:`hicache.transfer.staged`, and :mod:`hicache.transfer.cuda_tuning` for the defaults and what
   they were measured to do. ``load_head_layers`` (default 0) has the gather kernel (``head_blocks``

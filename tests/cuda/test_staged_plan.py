@@ -335,3 +335,23 @@ def test_shifted_block_chunks_equal_planning_each_layer(to_host: bool) -> None:
             assert a.slot_keys is not None and b.slot_keys is not None
             assert np.array_equal(a.slot_keys, b.slot_keys)
             assert all(np.array_equal(x, y) for x, y in zip(a.plan, b.plan, strict=True))
+
+
+def test_partial_blocks_are_packed_into_bins() -> None:
+    """Scattered pages (one per block) share bins instead of taking a block-sized bin each: 16 pages of
+    16 different blocks of 16 fit one bin, so one layer of them loads through one chunk of a one-bin slot,
+    one copy per page and (K, V); a whole block between them keeps a bin of its own."""
+    piece, B, L, C = 2, 16, 4, 2
+    h = np.arange(16, dtype=np.int64) * B + 3  # page 3 of blocks 0..15
+    bin_bytes = C * B * piece
+    chunks = plan_group_blocks(0, piece, C, L, B, h, 0, 1, bin_bytes, False)
+    assert chunks is not None and len(chunks) == 1
+    assert chunks[0].slot_keys is not None and chunks[0].slot_keys.tolist() == list(range(16))
+    assert chunks[0].plan.n_copies == 16 * C
+    with_whole = np.sort(np.concatenate([h, np.arange(16 * B, 17 * B)]))  # block 16 whole
+    chunks = plan_group_blocks(0, piece, C, L, B, with_whole, 0, 1, 2 * bin_bytes, False)
+    assert chunks is not None and len(chunks) == 1
+    keys = chunks[0].slot_keys
+    assert keys is not None and keys[:16].tolist() == list(range(16))
+    assert keys[16:].tolist() == [C * B + k for k in range(B)]  # the whole block: bin 1, in place
+    assert sorted(chunks[0].plan.size.tolist()) == [piece] * (16 * C) + [C * B * piece]
