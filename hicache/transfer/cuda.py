@@ -700,9 +700,16 @@ class CudaTransferEngine(TransferEngine):
 
     def _backup_shapes(self, st: Stager) -> list[tuple[int, int, int]]:
         """A staged backup's layer groups in order, as (layers, ramp up, ramp down): whole pages where
-        one fits a slot, the first group's chunks ramped up."""
+        one fits a slot (block-mirrored slots: where one bin of the group's layers, a block's worth of
+        pages, fits), the first group's chunks ramped up."""
         L, C = self.layout.num_layers, self.layout.kv_count
-        per_group = group_layers(L, C, self.geometry.piece_bytes, L * C * self.geometry.piece_bytes, st.slot_bytes)
+        unit = self.geometry.piece_bytes
+        per_group = 0
+        if self.block_mirror:  # else a deep model's block outgrows a slot and mirroring is never used
+            b = unit * self.host_pool.block_pages
+            per_group = group_layers(L, C, b, L * C * b, st.slot_bytes)
+        if per_group == 0:
+            per_group = group_layers(L, C, unit, L * C * unit, st.slot_bytes)
         return [(min(per_group, L - l0), STAGE_RAMP if l0 == 0 else 0, 0) for l0 in range(0, L, per_group)]
 
     def _plan_chunks(self, plans: _StagePlans, layer_begin: int, n_layers: int, slot_bytes: int, to_host: bool,
