@@ -180,6 +180,33 @@ def test_block_first_staging_with_whole_blocks(layout: KVLayout, width: int, blo
         eng.close()
 
 
+def test_mirrored_backup_of_blocks_larger_than_a_slot() -> None:
+    """A block of every layer outgrows the backup slot (a deep model's blocks do): the backup goes in
+    groups of layers whose bins fit, still through mirrored slots, and equals torch's."""
+    layout = KVLayout(4, 2, 64, "bfloat16", 16)  # 4 KiB pieces
+    n_dev, n_host = 61, 64
+    dev, host = _pools(layout, n_dev, n_host, "block_first", seed=8)
+    L, C, piece, B = layout.num_layers, layout.kv_count, layout.bytes_per_layer_piece, host.block_pages
+    assert B > 4
+    slot = 4 * L * C * piece  # four whole pages, a quarter of a block
+    eng = create_engine("cuda", dev, host, io_backend="staged", staging_bytes=16 * slot, backup_slots=16)
+    try:
+        st = eng._stager(True)
+        assert st.slot_bytes < L * C * B * piece  # a block of every layer does not fit
+        shapes = eng._backup_shapes(st)
+        assert len(shapes) > 1 and all(g * C * B * piece <= st.slot_bytes for g, _, _ in shapes)
+        every = {(layer, c) for layer in range(L) for c in range(C)}
+        h = np.random.default_rng(14).permutation(np.concatenate([np.arange(0, 40), [45, 50, 63]]))
+        h = h.astype(np.int64)
+        d = np.random.default_rng(15).permutation(n_dev)[:len(h)].astype(np.int64)
+        hb = _host_bytes(host).clone()
+        dsnap = _snapshot(dev)
+        eng.backup(d, h).wait()
+        assert torch.equal(_host_bytes(host), _expect_backup(hb, host.block_pages, dsnap, d, h, every))
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("launch", ["driver", "cupy"])
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "block_first"])
 @pytest.mark.parametrize(("layout", "width"), LAYOUTS[:3] + LAYOUTS[-1:], ids=IDS[:3] + IDS[-1:])
