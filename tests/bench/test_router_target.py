@@ -3,9 +3,6 @@ chosen node and completed; with cache-aware routing the cluster's hit rate match
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from cli_procs import ROUTE_READY, SERVE_READY, start_cli, stop
 
 from hicache.bench.replay import replay
 from hicache.bench.targets import RouterTarget, open_target
@@ -28,20 +26,6 @@ CFG = {"layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "u
        "serve": {"port": 0, "metrics_port": 0, "shutdown_grace_s": 2.0, "shared_pool": False}}
 
 
-def start(args: list[str], marker: str) -> tuple[subprocess.Popen[str], int]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")}
-    proc = subprocess.Popen([sys.executable, "-m", "hicache.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-    assert proc.stdout is not None
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith(marker):
-            return proc, int(line.split()[-1].rsplit(":", 1)[1])
-    proc.kill()
-    pytest.fail(f"{args[0]} did not start:\n" + "".join(lines))
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     path = tmp_path_factory.mktemp("cluster") / "node.yaml"
@@ -50,12 +34,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         ports = []
         for _ in range(2):
-            p, port = start(["serve", "--config", str(path)], "hicache serve: listening on")
+            p, port = start_cli(["serve", "--config", str(path)], SERVE_READY)
             procs.append(p)
             ports.append(port)
         nodes = [a for i, port in enumerate(ports) for a in ("--node", f"n{i}=127.0.0.1:{port}")]
-        router, rport = start(["route", "--config", str(path), "--port", "0", "--metrics-port", "0", *nodes],
-                              "hicache route: listening on")
+        router, rport = start_cli(["route", "--config", str(path), "--port", "0", "--metrics-port", "0", *nodes],
+                                  ROUTE_READY)
         procs.append(router)
         with grpc.insecure_channel(f"127.0.0.1:{rport}") as ch:  # wait until both event streams are in sync
             stub = rpb_grpc.RouterStub(ch)
@@ -65,13 +49,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 time.sleep(0.05)
         yield f"grpc://127.0.0.1:{rport}"
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
 
 
 def test_bench_through_the_router(cluster: str) -> None:

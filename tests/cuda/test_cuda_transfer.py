@@ -143,6 +143,17 @@ def test_load_and_backup_match_torch(layout: KVLayout, width: int, host_layout: 
         eng.close()
 
 
+def _check_backup(eng: Any, dev: DevicePool, host: HostPool, pages: np.ndarray, n_dev: int, seed: int,
+                  every: set[tuple[int, int]]) -> None:
+    """Back ``pages`` (host pages, shuffled) up from random L1 pages; the host pool must equal torch's."""
+    h = np.random.default_rng(seed).permutation(pages).astype(np.int64)
+    d = np.random.default_rng(seed + 1).permutation(n_dev)[:len(h)].astype(np.int64)
+    hb = _host_bytes(host).clone()
+    dsnap = _snapshot(dev)
+    eng.backup(d, h).wait()
+    assert torch.equal(_host_bytes(host), _expect_backup(hb, host.block_pages, dsnap, d, h, every))
+
+
 @pytest.mark.parametrize("block_staging", ["mirror", "lc_major"])
 @pytest.mark.parametrize(("layout", "width"), LAYOUTS[:3] + LAYOUTS[-1:], ids=IDS[:3] + IDS[-1:])
 def test_block_first_staging_with_whole_blocks(layout: KVLayout, width: int, block_staging: str) -> None:
@@ -170,12 +181,7 @@ def test_block_first_staging_with_whole_blocks(layout: KVLayout, width: int, blo
             for layer in range(L):
                 for c in range(C):
                     assert torch.equal(got[layer][c], expect[layer][c]), (layer_wise, layer, c)
-        h = np.random.default_rng(12).permutation(np.concatenate([runs[:30], [60, 62]])).astype(np.int64)
-        d = np.random.default_rng(13).permutation(n_dev)[:len(h)].astype(np.int64)
-        hb = _host_bytes(host).clone()
-        dsnap = _snapshot(dev)
-        eng.backup(d, h).wait()
-        assert torch.equal(_host_bytes(host), _expect_backup(hb, host.block_pages, dsnap, d, h, every))
+        _check_backup(eng, dev, host, np.concatenate([runs[:30], [60, 62]]), n_dev, 12, every)
     finally:
         eng.close()
 
@@ -196,13 +202,7 @@ def test_mirrored_backup_of_blocks_larger_than_a_slot() -> None:
         shapes = eng._backup_shapes(st)
         assert len(shapes) > 1 and all(g * C * B * piece <= st.slot_bytes for g, _, _ in shapes)
         every = {(layer, c) for layer in range(L) for c in range(C)}
-        h = np.random.default_rng(14).permutation(np.concatenate([np.arange(0, 40), [45, 50, 63]]))
-        h = h.astype(np.int64)
-        d = np.random.default_rng(15).permutation(n_dev)[:len(h)].astype(np.int64)
-        hb = _host_bytes(host).clone()
-        dsnap = _snapshot(dev)
-        eng.backup(d, h).wait()
-        assert torch.equal(_host_bytes(host), _expect_backup(hb, host.block_pages, dsnap, d, h, every))
+        _check_backup(eng, dev, host, np.concatenate([np.arange(0, 40), [45, 50, 63]]), n_dev, 14, every)
     finally:
         eng.close()
 

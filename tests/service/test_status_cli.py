@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 import yaml
+from cli_procs import ROUTE_READY, free_port, start_cli, stop
 
 from hicache.cli import main
 from hicache.client import HiCacheClient
 
-from .service_harness import REPO, ServerProc, free_port
+from .service_harness import ServerProc
 
 TOKEN = "s3cret-status"
 
@@ -106,22 +104,12 @@ def test_token_and_errors(server_factory: Callable[..., ServerProc], capsys: pyt
 def router(node: ServerProc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cfg = tmp_path_factory.mktemp("router") / "router.yaml"
     cfg.write_text(yaml.safe_dump({k: v for k, v in node.config.items() if k in ("layout", "model")}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")}
-    proc = subprocess.Popen([sys.executable, "-m", "hicache.cli", "route", "--config", str(cfg), "--port", "0",
-                             "--node", f"n0={node.target}"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-    assert proc.stdout is not None
-    port = 0
-    for line in proc.stdout:
-        if line.startswith("hicache route: listening on"):
-            port = int(line.split()[4].rsplit(":", 1)[1])
-            break
-    assert port, "router did not start"
+    proc, port = start_cli(["route", "--config", str(cfg), "--port", "0", "--node", f"n0={node.target}"],
+                           ROUTE_READY)
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop([proc])
 
 
 def test_router_status_lists_its_nodes(router: str, node: ServerProc, capsys: pytest.CaptureFixture[str]) -> None:
