@@ -297,13 +297,22 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         with HiCacheClient(f"127.0.0.1:{port}") as c:
             lookups = c.stats().lookups
 
+        t_end = time.time()
+
         def final() -> float | None:
-            """Now, if both targets' latest scrapes came after the last request (else None). A loaded
-            machine can fail a 1 s scrape later, which hides the series from queries made after it."""
+            """Now, if each target was scraped at least twice since the last request, with its final
+            figures (a series born during the replay then has two samples for rate()), else None. The
+            tests evaluate at that time: a loaded machine can fail a 1 s scrape later, which would hide
+            series from queries made after it."""
             t = time.time()
-            node = [float(x["value"][1]) for x in prom.query('hicache_lookups_total{job="node"}', t)]
-            routed = [float(x["value"][1]) for x in prom.query('sum(hicache_router_routes_total{job="router"})', t)]
-            return t if node == [lookups] and routed == [len(reqs)] else None
+            since = f"{max(1, int((t - t_end) * 1000))}ms"
+            for sel, want in (('hicache_lookups_total{job="node"}', lookups),
+                              ('hicache_router_routes_total{job="router"}', len(reqs))):
+                if [float(x["value"][1]) for x in prom.query(f"sum({sel})", t)] != [want]:
+                    return None
+                if [float(x["value"][1]) for x in prom.query(f"min(count_over_time({sel}[{since}]))", t)] < [2]:
+                    return None
+            return t
 
         yield Live(prom, f"127.0.0.1:{port}", rules, prom.wait("a scrape of each after the last request", final))
     finally:
