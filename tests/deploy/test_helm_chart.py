@@ -587,6 +587,11 @@ def test_notes_render(rendered: dict[str, Rendered]) -> None:
     assert "requires client" in notes and "the node pod IPs" in notes
     assert "rollout restart" in rendered["default"].notes
     assert "none (L1 + L2 only)" in rendered["cpu-no-router-no-l3"].notes
+    r = rendered["redis-cluster-auth-tls"]
+    (rule,) = r.kinds("PrometheusRule")
+    dash = next(c for c in r.kinds("ConfigMap") if "hicache.json" in c["data"])
+    assert f"PrometheusRule {rule['metadata']['name']}" in notes and dash["metadata"]["name"] in notes
+    assert "PrometheusRule" not in rendered["default"].notes and "hicache status" in rendered["default"].notes
 
 
 
