@@ -190,8 +190,8 @@ class HiCache:
         m = self.metrics
         m.used["l1"].set(self.device_pool.allocator.used_pages)
         m.used["l2"].set(self.host_pool.allocator.used_pages if self.has_l2 else 0)
-        m.pinned_pages.labels("l1").set(self._pinned[0])
-        m.pinned_pages.labels("l2").set(self._pinned[1])
+        m.pinned["l1"].set(self._pinned[0])
+        m.pinned["l2"].set(self._pinned[1])
         if self.writeback is not None:
             m.writeback_queue.set(self.writeback.queued_pages)
         if self.storage is not None:

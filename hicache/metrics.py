@@ -78,6 +78,7 @@ class Metrics:
         # children bound once: a labels() lookup per call costs microseconds on the hot path
         self.hit = {t: self.hit_tokens.labels(t) for t in TIERS}
         self.used = {t: self.pool_used.labels(t) for t in TIERS[:2]}
+        self.pinned = {t: self.pinned_pages.labels(t) for t in TIERS[:2]}
         self.match_seconds = Histogram("hicache_match_seconds", "Match latency", registry=r,
                                        buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
         self.storage_op_seconds = Histogram("hicache_storage_op_seconds", "Time of one batched L3 operation, by op "
