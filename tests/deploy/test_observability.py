@@ -55,6 +55,12 @@ def dashboard_exprs() -> list[str]:
     return [t["expr"] for p in d["panels"] for t in p.get("targets", [])]
 
 
+def doc_queries() -> list[str]:
+    """The PromQL of docs/metrics.md's question table (each backticked expression using a metric)."""
+    text = DOC.read_text().split("## Questions and the queries that answer them", 1)[1].split("\n## ", 1)[0]
+    return [q for q in re.findall(r"`([^`]+)`", text) if "hicache_" in q]
+
+
 def metric_names(expr: str) -> set[str]:
     return set(re.findall(r"\bhicache_[a-z0-9_]+\b", expr))
 
@@ -73,7 +79,7 @@ def test_metrics_doc_table_is_the_generated_one() -> None:
 def test_alerts_and_dashboard_use_only_exported_metrics() -> None:
     exported = series_names()
     used = {name for r in alerts(rules_of(ALL_ON)) for name in metric_names(r["expr"])}
-    used |= {name for e in dashboard_exprs() for name in metric_names(e)}
+    used |= {name for e in dashboard_exprs() + doc_queries() for name in metric_names(e)}
     d = json.loads(DASHBOARD.read_text())
     used |= {name for v in d["templating"]["list"] for name in metric_names(json.dumps(v))}
     assert used, "no metric found in the rules or the dashboard"
@@ -330,6 +336,15 @@ def panel_query(expr: str) -> str:
 def test_every_dashboard_query_runs_on_real_data(live: Live) -> None:
     empty = [e for e in dashboard_exprs() if not live.query(panel_query(e))]
     assert empty == []
+
+
+@needs_prometheus
+def test_the_documented_queries_run(live: Live) -> None:
+    queries = doc_queries()
+    assert len(queries) >= 10
+    for q in queries:
+        live.query(q)  # Prometheus parses and evaluates it (an error fails the query's assertion)
+    assert live.query(queries[0]), "the hit-rate query has no data"
 
 
 @needs_prometheus
