@@ -262,8 +262,8 @@ class HiCache:
             pages = self.host_pool.allocator.alloc(n)
         return pages
 
-    def _evict_device(self, n: int) -> int:
-        freed = self.tree.evict_device(n, self._backup_on_evict)
+    def _evict_device(self, n: int, backup: Callable[[TreeNode], bool] | None = None) -> int:
+        freed = self.tree.evict_device(n, self._backup_on_evict if backup is None else backup)
         total = sum(len(f) for f in freed)
         for f in freed:
             self.device_pool.allocator.free(f)
@@ -654,6 +654,24 @@ class HiCache:
             b = self._evict_host(l2_pages) if l2_pages else 0
             self._update_gauges()
             return a, b
+
+    def clear(self) -> tuple[int, int]:
+        """Drop every L1 and L2 page that no request holds, no pin keeps and no copy in flight uses;
+        returns the pages freed on (L1, L2). The store (L3) is not touched. Nothing is backed up on the way,
+        whatever the write policy. For a cold start between benchmark runs, or after a mistake such as
+        serving different weights under the same model revision (fix the revision: L3 still has pages
+        under those keys)."""
+        with self._lock:
+            self._reap(wait=True)
+            l1 = l2 = 0
+            while True:  # dropping L2-only leaves lets their L1 parents go, and the other way round
+                a = self._evict_device(self.device_pool.num_pages, backup=lambda node: False)
+                b = self._evict_host(self.config.l2_pages) if self.has_l2 else 0
+                l1, l2 = l1 + a, l2 + b
+                if a == 0 and b == 0:
+                    break
+            self._update_gauges()
+            return l1, l2
 
     def flush(self, timeout_s: float | None = None) -> FlushReport | None:
         """Wait for in-flight backups and L3 writebacks; report what could not be written."""

@@ -156,3 +156,34 @@ def test_random_pins_hold_their_pages_and_the_pools_stay_consistent(ops: list[tu
                 cache.release(req)
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_clear_drops_everything_but_pins_and_open_requests(policy: str) -> None:
+    """clear() empties L1 and L2 except what a pin or an open request holds, without backing anything up."""
+    cache = HiCache(small_config(cache={"write_policy": policy, "eviction_policy": "lru"}))
+    kept, held = prompt(1, 3), prompt(2, 2)
+    commit_fresh(cache, kept, seed=1)
+    commit_fresh(cache, held, seed=2)
+    flood(cache, 10, 3)
+    cache.flush(5)
+    if policy == "write_through":
+        cache.evict(l1_pages=4)  # some pages only on L2, with L1 parents above some of them
+    pin = cache.pin(kept)
+    req = cache.match(held)
+    backed = cache.metrics.registry.get_sample_value("hicache_backed_up_tokens_total", {"tier": "l2"}) or 0
+    l1, l2 = cache.clear()
+    assert l1 + l2 > 0
+    assert cache.metrics.registry.get_sample_value("hicache_backed_up_tokens_total", {"tier": "l2"}) == backed
+    for node in cache.tree.nodes():  # only what is held is left
+        if node.parent is not None:
+            assert node.lock_ref > 0 or node.host_pin > 0, node
+    cache.release(req)
+    again = cache.match(kept)
+    assert again.l1_pages + again.l2_pages == 3
+    cache.release(again)
+    cache.unpin(pin.pin_id)
+    cache.clear()
+    assert cache.tree.all_device_pages().size == cache.tree.all_host_pages().size == 0
+    cache.check_integrity()
+    cache.close()

@@ -11,6 +11,7 @@ from hicache.client.aio import AsyncHiCacheClient, AsyncMatchStream
 from hicache.client.attach import AttachedPool, attach_pool
 from hicache.client.sync import HiCacheClient, MatchStream
 from hicache.client.types import (
+    ClearResult,
     CommitResult,
     Event,
     FlushResult,
@@ -27,6 +28,7 @@ __all__ = [
     "AsyncMatchStream",
     "AttachedPool",
     "CallError",
+    "ClearResult",
     "CommitResult",
     "Event",
     "FlushResult",

@@ -35,6 +35,7 @@ from hicache.client._common import (
 )
 from hicache.client.attach import AttachedPool, attach_pool
 from hicache.client.types import (
+    ClearResult,
     CommitResult,
     Event,
     FlushResult,
@@ -135,6 +136,10 @@ class AsyncHiCacheClient:
         """Wait (up to the call's deadline) until the node's backups in flight and queued L3 writes are
         done; ``complete`` says everything reached the store."""
         return FlushResult.from_pb(await self._call(self.stub.Flush, pb.FlushRequest(), timeout_s))
+
+    async def clear(self, timeout_s: float | None = None) -> ClearResult:
+        """Drop every L1 and L2 page on the node that no request holds and no pin keeps (L3 untouched)."""
+        return ClearResult.from_pb(await self._call(self.stub.Clear, pb.ClearRequest(), timeout_s))
 
     async def pin(self, tokens: Tokens, *, tenant: str = "", timeout_s: float | None = None) -> PinInfo:
         """Keep the cached prefix of ``tokens`` on its tiers on the node until :meth:`unpin` (pins what is

@@ -103,6 +103,17 @@ class FlushResult(NamedTuple):
                    int(m.pending_pages), bool(m.complete))
 
 
+class ClearResult(NamedTuple):
+    """Pages a node's ``clear`` freed."""
+
+    l1_pages: int
+    l2_pages: int
+
+    @classmethod
+    def from_pb(cls, m: pb.ClearResponse) -> ClearResult:
+        return cls(int(m.l1_pages), int(m.l2_pages))
+
+
 class PinInfo(NamedTuple):
     """A prefix pinned on the node (``pin``): its pages there stay on their tiers until ``unpin``."""
 

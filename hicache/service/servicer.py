@@ -407,6 +407,11 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     async def ListPins(self, request: pb.ListPinsRequest, context: Ctx) -> pb.ListPinsResponse:
         return pb.ListPinsResponse(pins=[self._pin_pb(p) for p in self.cache.pins()])
 
+    @unary
+    async def Clear(self, request: pb.ClearRequest, context: Ctx) -> pb.ClearResponse:
+        l1, l2 = await blocking(self.cache.clear)
+        return pb.ClearResponse(l1_pages=l1, l2_pages=l2)
+
     @streaming
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: Ctx) -> AsyncIterator[pb.Event]:
         if request.max_queue > MAX_EVENT_QUEUE:

@@ -96,3 +96,19 @@ def test_async_client_pins(srv: ServerProc) -> None:
             assert await c.unpin(pin.pin_id) == pin and await c.pins() == []
 
     asyncio.run(go())
+
+
+def test_clear_keeps_only_pins(srv: ServerProc) -> None:
+    with HiCacheClient(srv.target) as c:
+        kept, gone = prompt(40, 4), prompt(41, 4)
+        serve(c, kept, "clear-kept")
+        serve(c, gone, "clear-gone")
+        pin = c.pin(kept)
+        res = c.clear()
+        assert res.l1_pages >= 4 and res.l2_pages == 0  # this node has no L2
+        assert c.match(gone, peek=True).l1_pages == 0
+        assert c.match(kept, peek=True).l1_pages == 4
+        assert c.stats().l1_pages_cached == 4
+        c.unpin(pin.pin_id)
+        assert c.clear().l1_pages == 4
+        assert c.stats().l1_pages_cached == 0

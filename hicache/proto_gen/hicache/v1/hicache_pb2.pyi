@@ -264,6 +264,18 @@ class ListPinsResponse(_message.Message):
     pins: _containers.RepeatedCompositeFieldContainer[PinInfo]
     def __init__(self, pins: _Optional[_Iterable[_Union[PinInfo, _Mapping]]] = ...) -> None: ...
 
+class ClearRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClearResponse(_message.Message):
+    __slots__ = ("l1_pages", "l2_pages")
+    L1_PAGES_FIELD_NUMBER: _ClassVar[int]
+    L2_PAGES_FIELD_NUMBER: _ClassVar[int]
+    l1_pages: int
+    l2_pages: int
+    def __init__(self, l1_pages: _Optional[int] = ..., l2_pages: _Optional[int] = ...) -> None: ...
+
 class WatchEventsRequest(_message.Message):
     __slots__ = ("max_queue",)
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]

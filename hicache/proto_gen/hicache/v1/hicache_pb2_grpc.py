@@ -114,6 +114,11 @@ class HiCacheStub:
                 request_serializer=hicache_dot_v1_dot_hicache__pb2.ListPinsRequest.SerializeToString,
                 response_deserializer=hicache_dot_v1_dot_hicache__pb2.ListPinsResponse.FromString,
                 _registered_method=True)
+        self.Clear = channel.unary_unary(
+                '/hicache.v1.HiCache/Clear',
+                request_serializer=hicache_dot_v1_dot_hicache__pb2.ClearRequest.SerializeToString,
+                response_deserializer=hicache_dot_v1_dot_hicache__pb2.ClearResponse.FromString,
+                _registered_method=True)
 
 
 class HiCacheServicer:
@@ -237,6 +242,15 @@ class HiCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Clear(self, request, context):
+        """Drop every L1 and L2 page that no open request holds, no pin keeps and no copy in flight uses (the
+        L3 store is not touched; nothing is backed up on the way). Stored events go out as REMOVED / tier
+        changes, so routers follow.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HiCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -319,6 +333,11 @@ def add_HiCacheServicer_to_server(servicer, server):
                     servicer.ListPins,
                     request_deserializer=hicache_dot_v1_dot_hicache__pb2.ListPinsRequest.FromString,
                     response_serializer=hicache_dot_v1_dot_hicache__pb2.ListPinsResponse.SerializeToString,
+            ),
+            'Clear': grpc.unary_unary_rpc_method_handler(
+                    servicer.Clear,
+                    request_deserializer=hicache_dot_v1_dot_hicache__pb2.ClearRequest.FromString,
+                    response_serializer=hicache_dot_v1_dot_hicache__pb2.ClearResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -753,6 +772,33 @@ class HiCache:
             '/hicache.v1.HiCache/ListPins',
             hicache_dot_v1_dot_hicache__pb2.ListPinsRequest.SerializeToString,
             hicache_dot_v1_dot_hicache__pb2.ListPinsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Clear(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hicache.v1.HiCache/Clear',
+            hicache_dot_v1_dot_hicache__pb2.ClearRequest.SerializeToString,
+            hicache_dot_v1_dot_hicache__pb2.ClearResponse.FromString,
             options,
             channel_credentials,
             insecure,
