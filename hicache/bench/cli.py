@@ -71,6 +71,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--prefetch-policy", default="wait_complete", help="best_effort | wait_complete | timeout")
     g.add_argument("--target", default="inproc",
                    help="inproc (default), or grpc://host:port of a node or of a router (hicache route)")
+    g.add_argument("--clear", action="store_true",
+                   help="start cold: drop the L1 and L2 pages of the grpc:// target first (every node of a "
+                   "router; their stores keep their pages). Without it a node keeps what earlier runs left")
     g = p.add_argument_group("replay and report")
     g.add_argument("--follow-timestamps", action="store_true", help="start requests at their trace times")
     g.add_argument("--speed", type=float, default=1.0, help="time scale with --follow-timestamps (10 = 10x faster)")
@@ -145,6 +148,7 @@ def options(args: argparse.Namespace, console: Console | None = None) -> Any:
         l3_bandwidth=getattr(args, "l3_bandwidth", 2e9), curve=_fractions(getattr(args, "capacities", "")),
         follow_timestamps=getattr(args, "follow_timestamps", False), speed=getattr(args, "speed", 1.0),
         settle=getattr(args, "settle", None),
+        clear=getattr(args, "clear", False),
     )
 
 

@@ -75,6 +75,7 @@ class BenchOptions:
     follow_timestamps: bool = False
     speed: float = 1.0
     settle: bool | None = None  # None: settle unless following the timestamps
+    clear: bool = False  # drop a live target's L1 / L2 pages first (its Clear call), so the run starts cold
 
     @property
     def settles(self) -> bool:
@@ -276,6 +277,8 @@ def run_bench(opts: BenchOptions, wl: Workload | None = None,
             cfg = replay_config(ps, l1, l2, url, opts.write_policy, opts.eviction_policy, opts.prefetch_policy)
             target = open_target(opts.target, cfg)
         try:
+            if opts.clear:
+                target.clear()
             cb = (lambda i: progress("replay", i, len(reqs))) if progress else None
             r = replay(reqs, target, cb, opts.follow_timestamps, opts.speed, opts.settles)
         finally:

@@ -58,6 +58,9 @@ class Target(abc.ABC):
         is done. False: this target cannot wait for it (and did not)."""
         return False
 
+    def clear(self) -> None:  # noqa: B027 - optional hook
+        """Start cold: drop the L1 and L2 pages of the cache(s) behind this target (a store keeps its)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the cache / connection."""
 
@@ -195,6 +198,9 @@ class GrpcTarget(Target):
                 self._can_flush = False
         return self._can_flush
 
+    def clear(self) -> None:
+        self.client.clear()
+
     def stats(self) -> dict[str, Any]:
         s = vars(self.client.stats()).copy()
         s["commit_skipped"] = self.commit_skipped
@@ -262,6 +268,12 @@ class RouterTarget(Target):
     def settle(self) -> bool:
         """Every node served so far settles."""
         return all([t.settle() for t in self.nodes.values()])
+
+    def clear(self) -> None:
+        """Clear every node the router can route to."""
+        for n in self.stub.ListNodes(self._rpb.ListNodesRequest(), timeout=self.timeout_s).nodes:
+            if n.namespace_ok:
+                self._node(n.address).clear()
 
     def stats(self) -> dict[str, Any]:
         return {"routed": dict(self.routed), "nodes": {a: t.stats() for a, t in self.nodes.items()}}

@@ -113,3 +113,24 @@ def test_settled_remote_replay_equals_in_process_on_every_tier(tiered_node: str,
     for col in ("l1", "l2", "l3"):
         assert getattr(got, col).tolist() == getattr(want, col).tolist(), col
     assert got.l2.sum() > 0 and got.l3.sum() > 0
+
+
+def test_clear_starts_a_warm_node_cold(node: str, tmp_path: Path) -> None:
+    """A node keeps what earlier replays left; after Clear a replay finds what a fresh cache finds."""
+    reqs = generate(WorkloadSpec("fewshot", 30, seed=5))
+    with InProcessTarget(replay_config(PAGE, L1, L2, eviction_policy="lru")) as local:
+        want = replay(reqs, local)
+    with GrpcTarget(node) as remote:
+        replay(reqs, remote)
+        warm = replay(reqs, remote)
+        assert warm.hit_rate > want.hit_rate  # the second pass finds the first one's pages
+        remote.clear()
+        cold = replay(reqs, remote)
+    assert cold.l1.tolist() == want.l1.tolist()
+    runs = []
+    for k in range(2):  # the CLI's --clear: the same figures however warm the node was
+        out = tmp_path / f"r{k}.json"
+        assert main(["bench", "--target", node, "--clear", "--workload", "fewshot", "--requests", "30",
+                     "--capacities", "", "--quiet", "--json", str(out)]) == 0
+        runs.append(json.loads(out.read_text())["hit_rate"])
+    assert runs[0] == runs[1]

@@ -73,3 +73,13 @@ def test_bench_cli_through_the_router(cluster: str, tmp_path: Path) -> None:
                  "--quiet", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["page_size"] == PAGE and 0 < res["hit_rate"] <= res["infinite"]
+
+
+def test_clear_through_the_router_empties_every_node(cluster: str) -> None:
+    with open_target(cluster, config_from_dict(CFG)) as target:
+        assert isinstance(target, RouterTarget)
+        replay(generate(WorkloadSpec("rag", 20, seed=9)), target)
+        assert sum(s["l1_pages_cached"] for s in target.stats()["nodes"].values()) > 0
+        target.clear()
+        nodes = target.stats()["nodes"]
+        assert len(nodes) == 2 and all(s["l1_pages_cached"] == 0 for s in nodes.values())
