@@ -738,6 +738,9 @@ class HiCache:
                 "l2_pages_cached": self.tree.host_pages,
                 "l1_pages_locked": self.tree.locked_device_pages,
                 "writeback_queue_pages": self.writeback.queued_pages if self.writeback else 0,
+                "pins": len(self._pins),
+                "pinned_l1_pages": self._pinned[0],
+                "pinned_l2_pages": self._pinned[1],
                 "storage": self.storage.stats() if self.storage else None,
             }
 

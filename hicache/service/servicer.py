@@ -350,7 +350,6 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             return int(v or 0)
 
         storage = st.get("storage")
-        pins = self.cache.pins()
         return pb.StatsResponse(
             l1_pages_total=st["l1_pages_total"], l1_pages_used=st["l1_pages_used"],
             l1_pages_cached=st["l1_pages_cached"], l1_pages_locked=st["l1_pages_locked"],
@@ -364,8 +363,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             storage_pages_written=storage.sets if storage else 0, storage_pages_read=storage.gets if storage else 0,
             storage_errors=storage.errors if storage else 0,
             storage_corrupt_pages=storage.corrupt_pages if storage else 0,
-            pins=len(pins), pinned_l1_pages=sum(p.l1_pages for p in pins),
-            pinned_l2_pages=sum(p.l2_pages for p in pins),
+            pins=st["pins"], pinned_l1_pages=st["pinned_l1_pages"], pinned_l2_pages=st["pinned_l2_pages"],
         )
 
     @unary
