@@ -86,3 +86,11 @@ def start_server(tmp: Path, **sections: dict[str, Any]) -> ServerProc:
     return server
 
 
+def serve_prompt(client: Any, tokens: Any, request_id: str, tenant: str = "") -> None:
+    """One request as an engine makes it over gRPC: match, allocate the rest, commit, release."""
+    import numpy as np
+
+    m = client.match(tokens, request_id, tenant=tenant)
+    new = client.allocate(request_id, m.num_pages - m.l1_pages)
+    client.commit(request_id, tokens, np.concatenate([m.device_indices, new]))
+    client.release(request_id)

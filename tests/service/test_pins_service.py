@@ -13,6 +13,7 @@ from hicache.client import HiCacheClient
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 
 from .service_harness import ServerProc
+from .service_harness import serve_prompt as serve
 
 PS = 16
 L1_PAGES = 64
@@ -26,13 +27,6 @@ def srv(server_factory: Callable[..., ServerProc]) -> ServerProc:
 
 def prompt(seed: int, pages: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 30_000, pages * PS).astype(np.uint32)
-
-
-def serve(c: HiCacheClient, toks: np.ndarray, rid: str, tenant: str = "") -> None:
-    m = c.match(toks, rid, tenant=tenant)
-    new = c.allocate(rid, m.num_pages - m.l1_pages)
-    c.commit(rid, toks, np.concatenate([m.device_indices, new]))
-    c.release(rid)
 
 
 def test_pinned_prefix_stays_on_l1_and_unpin_lets_it_go(srv: ServerProc) -> None:

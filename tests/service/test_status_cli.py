@@ -14,7 +14,7 @@ from cli_procs import ROUTE_READY, free_port, start_cli, stop
 from hicache.cli import main
 from hicache.client import HiCacheClient
 
-from .service_harness import ServerProc
+from .service_harness import ServerProc, serve_prompt
 
 TOKEN = "s3cret-status"
 
@@ -26,10 +26,7 @@ def traffic(target: str, seed: int = 7) -> None:
     with HiCacheClient(target) as c:
         for i in range(2):
             toks = np.concatenate([prefix, rng.integers(0, 30_000, 32)])
-            m = c.match(toks, f"st-{i}")
-            new = c.allocate(f"st-{i}", m.num_pages - m.l1_pages)
-            c.commit(f"st-{i}", toks, np.concatenate([m.device_indices, new]))
-            c.release(f"st-{i}")
+            serve_prompt(c, toks, f"st-{i}")
 
 
 def status(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
