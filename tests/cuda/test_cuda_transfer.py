@@ -40,10 +40,10 @@ def _rand_bytes(t: torch.Tensor, gen: torch.Generator) -> None:
 
 
 def _pools(layout: KVLayout, n_dev: int, n_host: int, host_layout: str, seed: int = 0,
-           pin: bool | None = None) -> tuple[DevicePool, HostPool]:
+           pin: bool | None = None, block_pages: int = 4) -> tuple[DevicePool, HostPool]:
     gen = torch.Generator().manual_seed(seed)
     dev = DevicePool(layout, n_dev, "cuda")
-    host = HostPool(layout, n_host, host_layout, pin_memory=pin, block_pages=4)  # blocks of 4 when block-first
+    host = HostPool(layout, n_host, host_layout, pin_memory=pin, block_pages=block_pages)  # block-first only
     _rand_bytes(host.buffer, gen)
     for row in dev.kv:
         for t in row:
@@ -191,9 +191,9 @@ def test_mirrored_backup_of_blocks_larger_than_a_slot() -> None:
     groups of layers whose bins fit, still through mirrored slots, and equals torch's."""
     layout = KVLayout(4, 2, 64, "bfloat16", 16)  # 4 KiB pieces
     n_dev, n_host = 61, 64
-    dev, host = _pools(layout, n_dev, n_host, "block_first", seed=8)
+    dev, host = _pools(layout, n_dev, n_host, "block_first", seed=8, block_pages=16)
     L, C, piece, B = layout.num_layers, layout.kv_count, layout.bytes_per_layer_piece, host.block_pages
-    assert B > 4
+    assert B == 16
     slot = 4 * L * C * piece  # four whole pages, a quarter of a block
     eng = create_engine("cuda", dev, host, io_backend="staged", staging_bytes=16 * slot, backup_slots=16)
     try:
