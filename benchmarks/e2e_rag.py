@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import os
 
-# as `hicache` itself does at start (before CUDA starts): hardware queues enough for the staged path's lanes
+# as `hicache` itself does at start (before CUDA starts): hardware queues enough for the staged path's lanes,
+# and command buffers that hold a burst of its copies without stalling the host
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+os.environ.setdefault("CUDA_SCALE_LAUNCH_QUEUES", "4x")
 
 import argparse
 import atexit

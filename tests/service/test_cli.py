@@ -36,16 +36,18 @@ def test_bad_values_are_config_errors(tmp_path: Path) -> None:
 @pytest.mark.parametrize("preset", [None, "1"])
 def test_cli_widens_cuda_hardware_queues_unless_set(preset: str | None, monkeypatch: pytest.MonkeyPatch,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """``hicache`` asks for 32 hardware queues before CUDA starts (the staged path's lanes need them),
-    and leaves a value the environment already gives alone."""
+    """``hicache`` asks for 32 hardware queues and 4x command buffers before CUDA starts (the staged
+    path's lanes and its many queued copies need them), and leaves values the environment gives alone."""
     from hicache.cli import main
 
-    if preset is None:
-        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    else:
-        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", preset)
+    for var, value in (("CUDA_DEVICE_MAX_CONNECTIONS", preset), ("CUDA_SCALE_LAUNCH_QUEUES", preset and "2x")):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
     assert main([]) == 0
     assert "serve" in capsys.readouterr().out
     import os
 
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == (preset or "32")
+    assert os.environ["CUDA_SCALE_LAUNCH_QUEUES"] == ("2x" if preset else "4x")
