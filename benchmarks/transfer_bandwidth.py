@@ -48,8 +48,10 @@ from __future__ import annotations
 
 import os
 
-# as `hicache` itself does at start (before CUDA starts): hardware queues enough for the staged path's lanes
+# as `hicache` itself does at start (before CUDA starts): hardware queues enough for the staged path's lanes,
+# and command buffers that hold a burst of its copies without stalling the host
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+os.environ.setdefault("CUDA_SCALE_LAUNCH_QUEUES", "4x")
 
 import argparse
 import json
@@ -75,6 +77,7 @@ from hicache.transfer.cuda import CudaTransferEngine
 PIECES_KIB = (4, 16, 64, 256, 1024, 2048)
 SLEEP_CYCLES = 40_000_000  # ~20 ms: covers host submission so events time the device only
 OVERLAP_HOLD = 3 * SLEEP_CYCLES  # the overlap's loads may take longer to submit (printed beside)
+HOLD_MARGIN_S = 0.005  # the compute section's hold outlasts its host wait by this: compute queues behind it
 GB = 1e9
 ENGINE_OPTIONS: dict[str, int | str] = {}  # --options: under every engine's own options
 HOST: dict[str, Any] = {"layout": "page_first", "pages": "random", "alloc_run": 64,
@@ -162,6 +165,17 @@ def ceiling(nbytes: int, reps: int) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------- timing helpers
+def sleep_rate() -> float:
+    """``torch.cuda._sleep`` cycles per second on this GPU (timed once, 20 ms)."""
+    torch.cuda.synchronize()
+    a, b = ev(), ev()
+    a.record()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    b.record()
+    b.synchronize()
+    return SLEEP_CYCLES / (a.elapsed_time(b) / 1e3)
+
+
 def time_device(submit: Callable[[], list[TransferHandle]], num_layers: int, reps: int) -> tuple[float, float]:
     """(device seconds, host submission seconds), medians. The compute stream sleeps while submitting."""
     dev_t, host_t = [], []
@@ -458,9 +472,14 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
                   configs: list[tuple[str, str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """Compute time next to transfers over compute time alone, measured in alternating pairs.
 
-    Both samples of a pair start after the same idle gap on the compute stream (clock and power state
-    alike); in the concurrent sample the transfers are submitted at the start of the gap. The first
-    configuration of each direction should be ``pinned``: it gives the ceiling under that compute.
+    Both samples of a pair start after the same idle gap, during which the compute stream sleeps on the
+    device (clock and power state alike). In the concurrent sample the host submits the transfers during
+    that gap; they wait for the compute stream like any transfer does (``ready``), so they start when the
+    gap ends, together with the compute queued behind it. The transfer figure is then the device's rate
+    beside the compute, whatever the host's submission rate, which is printed beside it (``host submits
+    one in``; the host keeps up with the device where that is under ``device``). A pair whose
+    submission outlasted the gap is counted in ``late_pairs``. The first configuration of each direction
+    should be ``pinned``: it gives the ceiling under that compute.
     """
     k = args.gemms
     for _ in range(3):
@@ -469,12 +488,18 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
     rows = []
     under: dict[str, float] = {}  # contiguous pinned copy GB/s next to the compute: the ceiling under load
 
-    def after_gap(submit: Callable[[], Burst] | None, gap: float) -> tuple[float, Burst | None]:
+    cycles_per_s = sleep_rate()
+
+    def after_gap(submit: Callable[[torch.cuda.Event], Burst] | None, gap: float) -> tuple[float, Burst | None, bool]:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        burst = submit() if submit is not None else None
+        torch.cuda._sleep(int((gap + HOLD_MARGIN_S) * cycles_per_s))  # the compute stream idles the gap
+        start = ev()
+        start.record()  # on the compute stream: when the gap ends
+        burst = submit(start) if submit is not None else None
+        late = time.perf_counter() - t0 > gap
         time.sleep(max(0.0, t0 + gap - time.perf_counter()))
-        return compute.time(k), burst
+        return compute.time(k), burst, late
 
     for direction, backend, kw in configs:
         kw = dict(kw)
@@ -494,19 +519,19 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
         gap = max(0.01, 1.25 * m * t_submit + 0.002)
         stream = eng.load_stream if direction == "h2d" else eng.backup_stream
 
-        def many(one: Callable[[], list[TransferHandle]] = one, m: int = m,
+        def many(start: torch.cuda.Event, one: Callable[[], list[TransferHandle]] = one, m: int = m,
                  stream: torch.cuda.Stream = stream) -> Burst:
-            xs = ev()
-            xs.record(stream)
             hs = [h for _ in range(m) for h in one()]
             xe = ev()
             xe.record(stream)
-            return Burst(hs, xs, xe)
+            return Burst(hs, start, xe)
 
         slow, gbps, alone_ms = [], [], []
+        late_pairs = 0
         for _ in range(args.reps):
-            t_alone, _ = after_gap(None, gap)
-            t_conc, burst = after_gap(many, gap)
+            t_alone, _, _ = after_gap(None, gap)
+            t_conc, burst, late = after_gap(many, gap)
+            late_pairs += late
             assert burst is not None
             burst.end.synchronize()
             for h in burst.handles:
@@ -533,7 +558,7 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
                                "ratio_to_pinned_under_compute": median(gbps) / base,
                                "ratio_to_pinned_under_gemm": median(gbps) / base,
                                "host_submit_ms": t_submit * 1e3, "device_ms": t_alone_transfer * 1e3,
-                               "options": kw}
+                               "late_pairs": late_pairs, "options": kw}
         rows.append(row)
         grid = {"kernel": f"{blocks} blocks", "staged": f"DMA+{blocks}", "pinned": "one copy"}.get(backend, "DMA")
         print(f"{compute.name} next to {direction} {backend:<11} ({grid:>8}, {row['piece_bytes'] >> 10:>2} KiB): "
@@ -542,6 +567,7 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
               f"{row['ratio_to_pinned_under_compute']:.2f} of one pinned copy next to the {compute.name}; "
               f"alone {alone_gbps:5.1f} = {row['transfer_alone_ratio']:.2f}; host submits one in "
               f"{row['host_submit_ms']:.1f} ms, device {row['device_ms']:.1f} ms)"
+              + (f" [{late_pairs} of {args.reps} submitted late]" if late_pairs else "")
               + "".join(f" {k}={v}" for k, v in kw.items() if k != "blocks"), flush=True)
     return rows
 
@@ -585,6 +611,8 @@ def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict
         plan = [(kib, [("staged", {}), *(("staged", kw) for kw in args.overlap_variants if kw)])
                 for kib in args.overlap_pieces]
     for kib, configs in plan:
+        if HOST["layout"] != "page_first":  # the resident kernel needs a page-first L2
+            configs = [c for c in configs if c[1].get("staged_kernel") != "resident"]
         if kib in args.overlap_pieces:
             rows += _overlap(args, ceil, kib << 10, configs)
     return rows
