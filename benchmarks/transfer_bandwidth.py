@@ -448,6 +448,7 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
     configs += [("h2d", "kernel", {"blocks": bl}) for bl in args.blocks_sweep]
     configs += [("d2h", "kernel", {}), ("h2d", "copy_engine", {}), ("d2h", "copy_engine", {}),
                 ("d2h", "copy_engine", {"backup_streams": 1}), ("h2d", "staged", {}),
+                ("h2d", "staged", {"layer_wise": False}),
                 ("h2d", "staged", {"stage_lanes": 1}), ("h2d", "staged", {"staging_bytes": 64 << 20}),
                 ("d2h", "staged", {}), ("d2h", "staged", {"backup_streams": 1}), ("d2h", "staged", {"stage_lanes": 1}),
                 ("h2d", "staged", {"staged_kernel": "resident"}), ("d2h", "staged", {"staged_kernel": "resident"}),
@@ -504,13 +505,19 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
     for direction, backend, kw in configs:
         kw = dict(kw)
         kib = kw.pop("piece_kib", 4 if backend == "staged" else 64)  # staged: auto's choice for small pieces
+        layer_wise = kw.pop("layer_wise", True)  # False: whole loads, as a node's Prefetch makes
         if kib not in setups:
             setups[kib] = Setup(layout_for_piece(kib << 10, args.layers), args.total_mib << 20, seed=90 + kib)
         s = setups[kib]
         L = s.layout.num_layers
         eng: CudaTransferEngine | PinnedCopy = (PinnedCopy(s.bytes) if backend == "pinned"
                                                  else s.engine(io_backend=backend, **kw))
-        one = partial(_load, eng, s) if direction == "h2d" else partial(_backup, eng, s)
+        if direction == "d2h":
+            one = partial(_backup, eng, s)
+        elif layer_wise or not isinstance(eng, CudaTransferEngine):
+            one = partial(_load, eng, s)
+        else:
+            one = partial(_load_whole, eng, s)
         t_alone_transfer, t_submit = time_device(one, L, args.reps)
         alone_gbps = s.bytes / t_alone_transfer / GB
         # The transfers are submitted during an idle gap before the compute starts, long enough for the
@@ -558,7 +565,7 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
                                "ratio_to_pinned_under_compute": median(gbps) / base,
                                "ratio_to_pinned_under_gemm": median(gbps) / base,
                                "host_submit_ms": t_submit * 1e3, "device_ms": t_alone_transfer * 1e3,
-                               "late_pairs": late_pairs, "options": kw}
+                               "late_pairs": late_pairs, "layer_wise": layer_wise, "options": kw}
         rows.append(row)
         grid = {"kernel": f"{blocks} blocks", "staged": f"DMA+{blocks}", "pinned": "one copy"}.get(backend, "DMA")
         print(f"{compute.name} next to {direction} {backend:<11} ({grid:>8}, {row['piece_bytes'] >> 10:>2} KiB): "
@@ -568,6 +575,7 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
               f"alone {alone_gbps:5.1f} = {row['transfer_alone_ratio']:.2f}; host submits one in "
               f"{row['host_submit_ms']:.1f} ms, device {row['device_ms']:.1f} ms)"
               + (f" [{late_pairs} of {args.reps} submitted late]" if late_pairs else "")
+              + ("" if layer_wise else " whole loads")
               + "".join(f" {k}={v}" for k, v in kw.items() if k != "blocks"), flush=True)
     return rows
 

@@ -68,8 +68,9 @@ I/O backends (``io_backend``):
   Each stream's queue on the device holds only so many copies before the call that adds one waits for
   the device to drain it: spreading raises how much a transfer can queue without blocking the host.
   On a block-first or layer-first pool the staging is lc-major instead: one DMA copy per (layer, K/V,
-  run of consecutive host pages), loads one layer per unit, never staggered, scattered on one lane
-  unless ``stage_lanes`` is set (:func:`~hicache.transfer.staged.plan_group_lc`). A block-first pool's
+  run of consecutive host pages), loads one layer per unit, never staggered, a layer-wise load
+  scattered on one lane unless ``stage_lanes`` is set, a whole load on every lane
+  (:func:`~hicache.transfer.staged.plan_group_lc`). A block-first pool's
   slots mirror its blocks by default (``block_staging: mirror``,
   :func:`~hicache.transfer.staged.plan_group_blocks`): a block the transfer covers is one copy, the runs
   of partial blocks are packed into the slot, and the kernels find each page in the slot through slot
@@ -291,10 +292,13 @@ class CudaTransferEngine(TransferEngine):
             raise ValueError(f"staged_kernel: must be one of {STAGED_KERNELS}, got {staged_kernel!r}")
         if resident_blocks < 1:
             raise ValueError(f"resident_blocks: must be >= 1, got {resident_blocks}")
-        # lc-major loads (a pool that is not page-first) scatter on one lane unless told otherwise: a layer
-        # is one or two chunks, one lane keeps up, and more lanes take SMs from the compute beside them
-        # (H200, 32-layer overlap of 4 KiB pieces: 1.04 / 1.09 / 1.05x of max(load, compute) on one lane,
-        # 1.04 / 1.19 / 1.27x on 8)
+        # Layer-wise lc-major loads (a pool that is not page-first) scatter on one lane unless told
+        # otherwise: a layer is one or two chunks, one lane keeps up, and more lanes take SMs from the
+        # per-layer compute beside them (H200, 32-layer overlap of 4 KiB pieces: 1.04 / 1.09 / 1.05x of
+        # max(load, compute) on one lane, 1.04 / 1.19 / 1.27x on 8). Whole loads (``layer_wise=False``)
+        # have no layer order to keep and scatter on every lane: beside long kernels that hold every SM,
+        # one lane scatters a slot per kernel (H200, block-first 4 KiB loads beside GEMMs: 33 GB/s on one
+        # lane, 43 on 2-8).
         lc_major_one_lane = stage_lanes is None and self.lc_major
         if stage_lanes is None:
             stage_lanes = default_stage_lanes()
@@ -601,7 +605,7 @@ class CudaTransferEngine(TransferEngine):
         if st is None:
             n_slots, slot = self._slots(to_host)
             max_pages = slot // (self.layout.kv_count * self.layout.bytes_per_layer_piece)
-            lanes = min(self.stage_lanes, BACKUP_LANES) if to_host else self.load_lanes
+            lanes = min(self.stage_lanes, BACKUP_LANES) if to_host else self.stage_lanes
             st = self._stagers[to_host] = Stager(self.device, n_slots, slot, max_pages, self.layout.num_layers,
                                                   lanes)
         return st
@@ -663,7 +667,9 @@ class CudaTransferEngine(TransferEngine):
             events, meta, flags = self._staged_resident(keys, to_host, stream, st, idx.data_ptr(), layer_wise)
             return events, (idx_host, idx, *meta), flags
         if sched is not None:
-            return self._staged_load(plans, sched, stream, st, idx.data_ptr(), head), (idx_host, idx), None
+            lanes = self.load_lanes if layer_wise else self.stage_lanes
+            return (self._staged_load(plans, sched, stream, st, idx.data_ptr(), head, lanes), (idx_host, idx),
+                    None)
         dma = self._dma_streams(stream)
         st.begin()
         k = 0
@@ -753,9 +759,11 @@ class CudaTransferEngine(TransferEngine):
                                             layer_begin * C, n_layers * C, to_host, base, self.lc_major)
 
     def _staged_load(self, plans: _StagePlans, schedule: tuple[LoadSchedule, list[tuple[int, int]]],
-                     stream: torch.cuda.Stream, st: Stager, idx_ptr: int, head: int = 0) -> list[torch.cuda.Event]:
+                     stream: torch.cuda.Stream, st: Stager, idx_ptr: int, head: int = 0,
+                     lanes: int | None = None) -> list[torch.cuda.Event]:
         """The load half of :meth:`_staged`: groups of layers, staggered over parts of the page list
-        (:func:`~hicache.transfer.staged.stagger_schedule`).
+        (:func:`~hicache.transfer.staged.stagger_schedule`), scattered on the stager's first ``lanes``
+        lanes (default all).
 
         ``plans`` holds the host pages and keys (``HostPool.host_keys``) in host order and ``idx_ptr`` the
         matching device pages on the GPU (then, when ``head`` > 0, the host keys; then the slot keys of
@@ -805,7 +813,7 @@ class CudaTransferEngine(TransferEngine):
                 self._rt.run(plan, out.cuda_stream)
                 done = torch.cuda.Event()
                 done.record(out)
-                lane = st.lane(s)
+                lane = st.lane(s, lanes)
                 lane.wait_event(done)
                 self._launch_stage(lane, plans, idx_ptr, ch, shape, u.layer_begin, u.n_layers, False, base, st, lo)
                 freed = torch.cuda.Event()

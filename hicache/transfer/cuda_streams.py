@@ -72,10 +72,12 @@ class Stager:
         start.record(self.stream)
         self._lane_start = [start] * len(self.lanes)
 
-    def lane(self, slot: int) -> torch.cuda.Stream:
+    def lane(self, slot: int, lanes: int | None = None) -> torch.cuda.Stream:
         """The stream for slot ``slot``'s device-side copy, made to wait for the transfer's start on
-        first use after :meth:`begin`."""
-        k = slot % len(self.lanes)
+        first use after :meth:`begin`; ``lanes`` (default all) limits the transfer to the first lanes.
+        Any slot may go on any lane from one transfer to the next: slot reuse is ordered by the events in
+        ``free``, not by the lane."""
+        k = slot % (len(self.lanes) if lanes is None else max(1, min(lanes, len(self.lanes))))
         lane = self.lanes[k]
         start = self._lane_start[k]
         if start is not None:

@@ -706,6 +706,50 @@ def test_staged_loads_queued_back_to_back_while_scatters_wait(kernel: str) -> No
         eng.close()
 
 
+def test_block_first_whole_loads_scatter_on_every_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a block-first pool a layer-wise load scatters on one lane and a whole load on every lane; loads
+    of both kinds queued back to back into the same device pages, reusing every slot on other lanes,
+    leave the last one's data."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # the default lanes: several
+    layout = KVLayout(4, 2, 64, "bfloat16", 16)  # 4 KiB pieces
+    dev, host = _pools(layout, 64, 192, "block_first", seed=60, block_pages=16)
+    eng = create_engine("cuda", dev, host, io_backend="staged", staging_bytes=1 << 20)
+    try:
+        st = eng._stager(False)  # type: ignore[attr-defined]
+        assert eng.load_lanes == 1 and len(st.lanes) > 1  # type: ignore[attr-defined]
+        used: list[int] = []
+        lane_of = st.lane
+
+        def spy(slot: int, lanes: int | None = None) -> torch.cuda.Stream:
+            stream = lane_of(slot, lanes)
+            used.append(next(i for i, x in enumerate(st.lanes) if x is stream))
+            return stream
+
+        monkeypatch.setattr(st, "lane", spy)
+        rng = np.random.default_rng(61)
+        d = rng.permutation(64)[:56].astype(np.int64)
+        loads = [(np.arange(0, 56), False), (np.arange(64, 120), True), (np.arange(128, 184), False)]
+        every = {(x, c) for x in range(layout.num_layers) for c in range(layout.kv_count)}
+        want = _expect_load(_snapshot(dev), host, d, loads[-1][0], every)
+        torch.cuda._sleep(SLEEP_CYCLES)  # all three queued before any runs
+        handles = []
+        for h, layer_wise in loads:
+            before = len(used)
+            handles.append(eng.load(h.astype(np.int64), d, layer_wise=layer_wise))
+            lanes = set(used[before:])
+            assert len(used) - before > len(st.lanes)  # every slot used more than once in all
+            assert lanes == ({0} if layer_wise else set(range(len(st.lanes)))), (layer_wise, lanes)
+        for hd in handles:
+            hd.wait()
+        torch.cuda.synchronize()
+        got = _snapshot(dev)
+        for layer in range(layout.num_layers):
+            for c in range(layout.kv_count):
+                assert torch.equal(got[layer][c], want[layer][c]), (layer, c)
+    finally:
+        eng.close()
+
+
 def _two_loads_behind(held: torch.cuda.Stream, eng: Any, dev: DevicePool, first: tuple[np.ndarray, np.ndarray],
                       second: tuple[np.ndarray, np.ndarray], want: list[list[torch.Tensor]]) -> None:
     """Hold ``held`` with a sleep, queue the loads ``first`` then ``second`` (host pages, device pages),
