@@ -266,6 +266,10 @@ def test_metrics_count_hits_per_tier(make_cache) -> None:
     assert r.get_sample_value("hicache_lookups_total") == 3
     assert r.get_sample_value("hicache_evicted_tokens_total", {"tier": "l1"}) == 8
     assert r.get_sample_value("hicache_pool_total_pages", {"tier": "l1"}) == 16
+    # one submission timed per transfer: the load-back, and a backup per committed node (write-through)
+    assert r.get_sample_value("hicache_transfer_submit_seconds_count", {"direction": "load"}) == 1
+    assert r.get_sample_value("hicache_transfer_submit_seconds_count", {"direction": "backup"}) == 2
+    assert r.get_sample_value("hicache_transfer_submit_seconds_sum", {"direction": "load"}) > 0
 
 
 def test_priority_policy_evicts_low_priority_first(make_cache) -> None:
