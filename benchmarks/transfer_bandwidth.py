@@ -325,6 +325,17 @@ def parse_variant(text: str) -> dict[str, int | str]:
     return out
 
 
+def parse_config(text: str) -> tuple[str, str, dict[str, int | str]]:
+    """``"h2d:staged:staging_bytes=536870912"`` -> a compute section's row: direction, path, options
+    (``piece_kib`` and ``layer_wise`` among them, as in the fixed rows)."""
+    direction, _, rest = text.partition(":")
+    backend, _, opts = rest.partition(":")
+    if direction not in ("h2d", "d2h") or backend not in ("pinned", "kernel", "copy_engine", "staged"):
+        raise argparse.ArgumentTypeError(f"config {text!r}: expected h2d|d2h:pinned|kernel|copy_engine|staged"
+                                         "[:key=value,...]")
+    return direction, backend, parse_variant(opts) if opts else {}
+
+
 def _load(eng: CudaTransferEngine | PinnedCopy, s: Setup) -> list[TransferHandle]:
     return [eng.load(s.h, s.d)]
 
@@ -453,7 +464,9 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
                 ("d2h", "staged", {}), ("d2h", "staged", {"backup_streams": 1}), ("d2h", "staged", {"stage_lanes": 1}),
                 ("h2d", "staged", {"staged_kernel": "resident"}), ("d2h", "staged", {"staged_kernel": "resident"}),
                 ("h2d", "staged", {"staged_kernel": "resident", "resident_blocks": 1})]
-    if HOST["layout"] != "page_first":  # the resident kernel needs page-first; block-first compares its stagings
+    if args.compute_configs:
+        configs = [("h2d", "pinned", {}), ("d2h", "pinned", {}), *args.compute_configs]
+    elif HOST["layout"] != "page_first":  # the resident kernel needs page-first; block-first compares its stagings
         configs = [c for c in configs if c[2].get("staged_kernel") != "resident"]
         if HOST["layout"] == "block_first":
             configs += [(dr, "staged", {"block_staging": "lc_major"}) for dr in ("h2d", "d2h")]
@@ -466,6 +479,8 @@ def bench_sdpa(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
         (d, b, {}) for b in ("pinned", "kernel", "copy_engine", "staged") for d in ("h2d", "d2h")]
     configs.insert(6, ("d2h", "copy_engine", {"backup_streams": 1}))
     configs.append(("d2h", "staged", {"backup_streams": 1}))
+    if args.compute_configs:
+        configs = [("h2d", "pinned", {}), ("d2h", "pinned", {}), *args.compute_configs]
     return bench_compute(args, ceil, sdpa_compute(), configs)
 
 
@@ -721,6 +736,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="section overlap: instead of the fixed set of paths, the default staged path and these "
                         "staged variants (key=value[,key=value...] each; 'default' for none) at every "
                         "--overlap-pieces size")
+    p.add_argument("--compute-configs", type=parse_config, nargs="*", default=[],
+                   help="sections gemm, sdpa: instead of the fixed rows, the pinned copies and these rows, each "
+                        "DIRECTION:PATH[:key=value,...] (h2d|d2h, pinned|kernel|copy_engine|staged; options "
+                        "include piece_kib and layer_wise=0)")
     p.add_argument("--blocks-sweep", type=int, nargs="+", default=[4, 1, 2, 8])
     p.add_argument("--loop-cap", type=int, default=8192, help="most copies timed in the per-page loop")
     p.add_argument("--host-layout", default="page_first", choices=["page_first", "layer_first", "block_first"],
