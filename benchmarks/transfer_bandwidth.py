@@ -505,6 +505,7 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
     under: dict[str, float] = {}  # contiguous pinned copy GB/s next to the compute: the ceiling under load
 
     cycles_per_s = sleep_rate()
+    end_stream = torch.cuda.Stream()
 
     def after_gap(submit: Callable[[torch.cuda.Event], Burst] | None, gap: float) -> tuple[float, Burst | None, bool]:
         torch.cuda.synchronize()
@@ -539,13 +540,14 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
         # host to queue all of them: the figures are the device's, with the host submission time beside.
         m = max(2, math.ceil((0.01 + 1.5 * compute.time(k)) / t_alone_transfer))
         gap = max(0.01, 1.25 * m * t_submit + 0.002)
-        stream = eng.load_stream if direction == "h2d" else eng.backup_stream
-
         def many(start: torch.cuda.Event, one: Callable[[], list[TransferHandle]] = one, m: int = m,
-                 stream: torch.cuda.Stream = stream) -> Burst:
+                 L: int = L) -> Burst:
             hs = [h for _ in range(m) for h in one()]
-            xe = ev()
-            xe.record(stream)
+            with torch.cuda.stream(end_stream):  # the burst ends when every handle's last layer has landed
+                for h in hs:
+                    h.wait_layer(L - 1)
+                xe = ev()
+                xe.record(end_stream)
             return Burst(hs, start, xe)
 
         slow, gbps, alone_ms = [], [], []

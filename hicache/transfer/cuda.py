@@ -347,6 +347,8 @@ class CudaTransferEngine(TransferEngine):
         except BaseException:
             self._unregister()
             raise
+        # the end of the last staged load, which the load stream has not waited for (see _staged_load)
+        self._unjoined: torch.cuda.Event | None = None
         self._closed = False
 
     def _setup(self, cupy: Any, buf: torch.Tensor, io_backend: str, blocks: int | None, threads: int) -> None:
@@ -528,6 +530,10 @@ class CudaTransferEngine(TransferEngine):
             stream.wait_event(ready)
             for ev in waits:
                 stream.wait_event(ev)
+            if (not to_host and self._unjoined is not None
+                    and not (backend == "staged" and self.staged_kernel != "resident")):
+                stream.wait_event(self._unjoined)  # after the scatters of the staged loads before it
+                self._unjoined = None
             keep: tuple[Any, ...] = ()
             if backend == "staged":
                 staged_events, keep, sflags = self._staged(dev_idx, host_idx, to_host, stream, [ready, *waits],
@@ -619,8 +625,9 @@ class CudaTransferEngine(TransferEngine):
         Load (:meth:`_staged_load`), per chunk: the load stream DMAs host runs into a slot, the slot's
         lane scatters it into L1. Backup, per chunk: the slot's lane gathers L1 into it, the backup stream
         DMAs it out. A slot is refilled only after the previous user of it finished
-        (events ``free``). The last event is recorded on ``stream``, so later work on that stream is
-        ordered after this transfer.
+        (events ``free``). A backup's last event is recorded on ``stream``, so later work on that stream
+        is ordered after it; a load's on the stage stream, which the next staged load's scatters follow,
+        and any other transfer on ``stream`` waits for it (:meth:`_staged_load`).
         """
         assert self._rt is not None
         L, C = self.layout.num_layers, self.layout.kv_count
@@ -826,11 +833,16 @@ class CudaTransferEngine(TransferEngine):
             ev.record(sst)  # this part's group is in L1
             landed.append(ev)
         dma.join()
-        stream.wait_event(landed[-1])
         if head_events:
-            stream.wait_event(head_events[-1])
+            sst.wait_event(head_events[-1])
+        # The end of the load is on the stage stream, after every scatter (each follows its DMA) and the
+        # head. ``stream`` does not wait for it: the next staged load's DMAs only need free slots, and its
+        # scatters follow this load's on the stage stream. Waiting here left the link idle at the end of
+        # every load until its last scatter got SMs, up to a whole GEMM kernel beside compute. Any other
+        # transfer on ``stream`` waits for it first (``_unjoined``, in :meth:`_submit`).
         final = torch.cuda.Event()
-        final.record(stream)
+        final.record(sst)
+        self._unjoined = final
         last = len(sched.units) - 1
         return head_events + [final if sched.ready[layer] == last else landed[sched.ready[layer]]
                               for layer in range(L - head)]

@@ -3,6 +3,7 @@
 Skipped without a CUDA GPU or CuPy (collection imports neither CuPy nor a CUDA build of torch).
 """
 
+import time
 from typing import Any
 
 import numpy as np
@@ -764,6 +765,49 @@ def _two_loads_behind(held: torch.cuda.Stream, eng: Any, dev: DevicePool, first:
     for layer in range(dev.layout.num_layers):
         for c in range(dev.layout.kv_count):
             assert torch.equal(dev.kv[layer][c].view(torch.uint8).cpu(), want[layer][c]), (layer, c)
+
+
+def test_staged_load_leaves_the_load_stream_free_while_its_scatters_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staged load whose scatters are held on every lane (as when compute keeps the SMs): the next
+    staged load's DMAs run meanwhile, since the load stream does not wait for the held scatters, and a
+    copy-engine load into the same device pages, queued after both, still lands after the held ones."""
+    layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces: two groups of 8 layers, one chunk each
+    n = 8
+    dev, host = _pools(layout, 4 * n, 4 * n, "page_first", seed=57, pin=True)
+    eng = create_engine("cuda", dev, host, io_backend="staged", staging_bytes=8 << 20, stage_lanes=2)
+    try:
+        perm = np.random.default_rng(58).permutation(4 * n).astype(np.int64)
+        d1, d2 = perm[:n], perm[n:2 * n]
+        h1, h2, h3 = (np.arange(k * n, (k + 1) * n, dtype=np.int64) for k in range(3))
+        every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
+        want = _expect_load(_expect_load(_snapshot(dev), host, d2, h2, every), host, d1, h3, every)
+        st = eng._stager(False)  # type: ignore[attr-defined]
+        for lane in st.lanes:
+            with torch.cuda.stream(lane):
+                torch.cuda._sleep(4 * SLEEP_CYCLES)  # ~200 ms
+        held = torch.cuda.Event()
+        held.record(st.lanes[0])
+        a = eng.load(h1, d1)
+        b = eng.load(h2, d2)
+        dma_done = torch.cuda.Event()
+        dma_done.record(eng.load_stream)  # after the second load's DMAs
+        deadline = time.monotonic() + 5
+        while not dma_done.query() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert dma_done.query() and not held.query(), "the load stream waited for held scatters"
+        assert not a.done() and not b.done()
+        monkeypatch.setattr(eng, "choose_backend", lambda *_: "copy_engine")
+        c = eng.load(h3, d1)  # into the first load's pages: must land after its held scatters
+        c.wait()
+        assert held.query()
+        a.wait()
+        b.wait()
+        torch.cuda.synchronize()
+        for layer in range(layout.num_layers):
+            for k in range(2):
+                assert torch.equal(dev.kv[layer][k].view(torch.uint8).cpu(), want[layer][k]), (layer, k)
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize("lanes", [1, 3, 8])
