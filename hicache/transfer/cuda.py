@@ -666,16 +666,10 @@ class CudaTransferEngine(TransferEngine):
                 offset += n
             both = np.concatenate(parts)
         idx_host = torch.from_numpy(np.ascontiguousarray(both, dtype=np.int64)).pin_memory()
-        # Fetched on the stager's fetch stream, which waits for nothing: the indices are on the GPU as soon
-        # as SMs allow, not only once the stage stream reaches this transfer (behind the previous load's
-        # scatters, which beside compute made each load's scatters wait for SMs once more). By a kernel,
-        # not a memcpy, which would queue behind bulk DMA in flight (see fetch_indices).
-        with torch.cuda.stream(st.fetch):  # allocated on the stream that writes it
+        with torch.cuda.stream(sst):  # allocated on the stream that uses it
             idx = torch.empty(idx_host.shape, dtype=torch.int64, device=self.device)
-        self.stage_kernel.fetch_indices(st.fetch.cuda_stream, idx_host.data_ptr(), idx.data_ptr(), idx.numel())
-        fetched = torch.cuda.Event()
-        fetched.record(st.fetch)
-        sst.wait_event(fetched)
+        # by a kernel, not a memcpy, which would queue behind bulk DMA in flight (see fetch_indices)
+        self.stage_kernel.fetch_indices(sst.cuda_stream, idx_host.data_ptr(), idx.data_ptr(), idx.numel())
         if self.staged_kernel == "resident":
             events, meta, flags = self._staged_resident(keys, to_host, stream, st, idx.data_ptr(), layer_wise)
             return events, (idx_host, idx, *meta), flags

@@ -15,9 +15,8 @@ class Stager:
     """One direction's staging buffer: slots used in turn, a stage stream, a few lanes (streams) for the
     per-chunk device-side copies, and for each slot the event after which it may be refilled.
 
-    The stage stream orders transfers: it waits for a transfer's dependencies and for its indices
-    (uploaded on the ``fetch`` stream, which waits for nothing), and the lanes start that transfer's
-    copies only after the point :meth:`begin` marks there. A load joins every
+    The stage stream orders transfers: :meth:`begin` makes it wait for a transfer's dependencies and
+    fetch its indices, and the lanes start that transfer's copies only after it. A load joins every
     chunk's lane back into the stage stream (its per-layer events are recorded there), so the next
     transfer's copies come after all of this one's. The resident kernel runs on the stage stream.
     """
@@ -27,7 +26,6 @@ class Stager:
         self.slot_bytes = slot_bytes
         self.n_slots = n_slots
         self.stream = torch.cuda.Stream(device, priority=-1)
-        self.fetch = torch.cuda.Stream(device, priority=-1)  # index uploads, ahead of the stage stream
         self.lanes = [torch.cuda.Stream(device, priority=-1) for _ in range(max(1, min(lanes, n_slots)))]
         self._lane_start: list[torch.cuda.Event | None] = [None] * len(self.lanes)
         self.free: list[torch.cuda.Event | None] = [None] * n_slots
@@ -90,7 +88,6 @@ class Stager:
     def synchronize(self) -> None:
         """Block until the stage stream and every lane are idle."""
         self.stream.synchronize()
-        self.fetch.synchronize()
         for lane in self.lanes:
             lane.synchronize()
 
