@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transfer_bandwidth import GB, HOST, Setup, ev, layout_for_piece, median, parse_variant
+from transfer_bandwidth import GB, HOST, Setup, ev, joined_loads, layout_for_piece, median, parse_variant
 
 from hicache.transfer.cuda import CudaTransferEngine
 
@@ -173,7 +173,11 @@ def summarize(hooks: Hooks, origin: torch.cuda.Event, nbytes: int,
 
 
 def run_one(args: argparse.Namespace, s: Setup, variant: dict[str, int | str], gemm: Gemms, m: int) -> dict[str, Any]:
-    eng = s.engine(**{"io_backend": "staged", "staging_bytes": args.staging_mib << 20, **variant})
+    opts = {"io_backend": "staged", "staging_bytes": args.staging_mib << 20, **variant}
+    join = opts.pop("join_loads", 0)
+    eng = s.engine(**opts)
+    if join:  # staged loads as queued before December 2026 (see transfer_bandwidth.joined_loads)
+        eng.load = joined_loads(eng, eng.load)  # type: ignore[method-assign]
     hooks = Hooks(eng)
 
     def burst(with_gemm: bool) -> dict[str, Any]:

@@ -345,6 +345,19 @@ def _load_whole(eng: CudaTransferEngine, s: Setup) -> list[TransferHandle]:
     return [eng.load(s.h, s.d, layer_wise=False)]
 
 
+def joined_loads(eng: CudaTransferEngine, load: Callable[..., TransferHandle]) -> Callable[..., TransferHandle]:
+    """``eng.load`` as staged loads were queued until December 2026: the load stream waits for each load's
+    last scatter, so the next load's DMAs start only once it ran (the pseudo-option ``join_loads=1`` of
+    the compute sections and of ``staged_timeline.py``, to compare with the engine as it is)."""
+    def call(*a: Any, **kw: Any) -> TransferHandle:
+        h = load(*a, **kw)
+        events = getattr(h, "events", None)
+        if events:
+            eng.load_stream.wait_event(events[-1])
+        return h
+    return call
+
+
 def _backup(eng: CudaTransferEngine | PinnedCopy, s: Setup) -> list[TransferHandle]:
     return [eng.backup(s.d, s.h)]
 
@@ -522,12 +535,15 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
         kw = dict(kw)
         kib = kw.pop("piece_kib", 4 if backend == "staged" else 64)  # staged: auto's choice for small pieces
         layer_wise = kw.pop("layer_wise", True)  # False: whole loads, as a node's Prefetch makes
+        join = kw.pop("join_loads", 0)  # the load stream waits for each load's end (see joined_loads)
         if kib not in setups:
             setups[kib] = Setup(layout_for_piece(kib << 10, args.layers), args.total_mib << 20, seed=90 + kib)
         s = setups[kib]
         L = s.layout.num_layers
         eng: CudaTransferEngine | PinnedCopy = (PinnedCopy(s.bytes) if backend == "pinned"
                                                  else s.engine(io_backend=backend, **kw))
+        if join and isinstance(eng, CudaTransferEngine):
+            eng.load = joined_loads(eng, eng.load)  # type: ignore[method-assign]
         if direction == "d2h":
             one = partial(_backup, eng, s)
         elif layer_wise or not isinstance(eng, CudaTransferEngine):
@@ -582,7 +598,8 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
                                "ratio_to_pinned_under_compute": median(gbps) / base,
                                "ratio_to_pinned_under_gemm": median(gbps) / base,
                                "host_submit_ms": t_submit * 1e3, "device_ms": t_alone_transfer * 1e3,
-                               "late_pairs": late_pairs, "layer_wise": layer_wise, "options": kw}
+                               "late_pairs": late_pairs, "layer_wise": layer_wise, "options": kw,
+                               "join_loads": bool(join)}
         rows.append(row)
         grid = {"kernel": f"{blocks} blocks", "staged": f"DMA+{blocks}", "pinned": "one copy"}.get(backend, "DMA")
         print(f"{compute.name} next to {direction} {backend:<11} ({grid:>8}, {row['piece_bytes'] >> 10:>2} KiB): "
@@ -592,7 +609,7 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
               f"alone {alone_gbps:5.1f} = {row['transfer_alone_ratio']:.2f}; host submits one in "
               f"{row['host_submit_ms']:.1f} ms, device {row['device_ms']:.1f} ms)"
               + (f" [{late_pairs} of {args.reps} submitted late]" if late_pairs else "")
-              + ("" if layer_wise else " whole loads")
+              + ("" if layer_wise else " whole loads") + (" join_loads" if join else "")
               + "".join(f" {k}={v}" for k, v in kw.items() if k != "blocks"), flush=True)
     return rows
 
