@@ -73,7 +73,6 @@ from hicache.pool import DevicePool, HostPool, PageAllocator
 from hicache.transfer import TransferHandle, create_engine
 from hicache.transfer.copy_engine import CopyPlan, CudaRuntime
 from hicache.transfer.cuda import CudaTransferEngine
-from hicache.transfer.submitter import PendingHandle
 
 PIECES_KIB = (4, 16, 64, 256, 1024, 2048)
 SLEEP_CYCLES = 40_000_000  # ~20 ms: covers host submission so events time the device only
@@ -337,21 +336,13 @@ def parse_config(text: str) -> tuple[str, str, dict[str, int | str]]:
     return direction, backend, parse_variant(opts) if opts else {}
 
 
-def _flushed(eng: CudaTransferEngine | PinnedCopy, handles: list[TransferHandle]) -> list[TransferHandle]:
-    """``handles`` once their copies are all queued on the device (the engine's submission thread done
-    with them): the host submission time measured around a call is then the whole of it."""
-    if isinstance(eng, CudaTransferEngine):
-        eng.flush()
-    return handles
-
-
 def _load(eng: CudaTransferEngine | PinnedCopy, s: Setup) -> list[TransferHandle]:
-    return _flushed(eng, [eng.load(s.h, s.d)])
+    return [eng.load(s.h, s.d)]
 
 
 def _load_whole(eng: CudaTransferEngine, s: Setup) -> list[TransferHandle]:
     """A load the caller waits for as a whole (``layer_wise=False``: staged loads move whole pages)."""
-    return _flushed(eng, [eng.load(s.h, s.d, layer_wise=False)])
+    return [eng.load(s.h, s.d, layer_wise=False)]
 
 
 def joined_loads(eng: CudaTransferEngine, load: Callable[..., TransferHandle]) -> Callable[..., TransferHandle]:
@@ -360,8 +351,7 @@ def joined_loads(eng: CudaTransferEngine, load: Callable[..., TransferHandle]) -
     the compute sections and of ``staged_timeline.py``, to compare with the engine as it is)."""
     def call(*a: Any, **kw: Any) -> TransferHandle:
         h = load(*a, **kw)
-        inner = h.result() if isinstance(h, PendingHandle) else h
-        events = getattr(inner, "events", None)
+        events = getattr(h, "events", None)
         if events:
             eng.load_stream.wait_event(events[-1])
         return h
@@ -369,11 +359,11 @@ def joined_loads(eng: CudaTransferEngine, load: Callable[..., TransferHandle]) -
 
 
 def _backup(eng: CudaTransferEngine | PinnedCopy, s: Setup) -> list[TransferHandle]:
-    return _flushed(eng, [eng.backup(s.d, s.h)])
+    return [eng.backup(s.d, s.h)]
 
 
 def _both(eng: CudaTransferEngine, s: Setup) -> list[TransferHandle]:
-    return _flushed(eng, [eng.load(s.h, s.d), eng.backup(s.d2, s.h2)])
+    return [eng.load(s.h, s.d), eng.backup(s.d2, s.h2)]
 
 
 def bench_pieces(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[str, Any]]:
@@ -647,24 +637,6 @@ def bench_bidir(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[s
     return rows
 
 
-def _overlap_unheld(eng: CudaTransferEngine, s: Setup, a: torch.Tensor, b: torch.Tensor, k: int,
-                    layers: int) -> float:
-    """Seconds from the load call to the end of the per-layer compute, with nothing holding the compute
-    stream while the host submits: the time a serving loop sees, host submission included."""
-    torch.cuda.synchronize()
-    x, y = ev(), ev()
-    x.record()
-    h = eng.load(s.h, s.d)
-    for layer in range(layers):
-        h.wait_layer(layer)
-        for _ in range(k):
-            torch.mm(a, b)
-    y.record()
-    y.synchronize()
-    h.wait()
-    return x.elapsed_time(y) / 1e3
-
-
 def bench_overlap(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[str, Any]]:
     rows = []
     plan: list[tuple[int, list[tuple[str, dict[str, Any]]]]] = [
@@ -708,8 +680,6 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
         if backend == "staged":  # parts whose layer groups are staggered / the copy size groups aim for
             signal = f"{eng.stagger_ways}w{eng.ce_min_copy_bytes >> 10}K"
         t_load, _ = time_device(partial(_load, eng, s), layers, args.reps)
-        submitted: list[float] = []  # host time of each load's submission, on whichever thread made it
-        eng.submit_observer = lambda _d, sec, out=submitted: out.append(sec)  # type: ignore[misc]
         for k in (1, 2, 4):
             comp = []
             over = []
@@ -717,8 +687,6 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
             stall = []  # compute waiting for layers after it started
             beside = []  # compute time itself, beside the load
             submit = []  # host time of eng.load(): compute for layer 0 can be queued only after it
-            unheld = []  # the overlapped time with nothing holding the compute stream: host time counts too
-            submitted.clear()
             for _ in range(args.reps):
                 torch.cuda.synchronize()
                 torch.cuda._sleep(OVERLAP_HOLD)  # same idle-then-busy start as the overlapped sample
@@ -742,32 +710,26 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
                 y.record()
                 y.synchronize()
                 over.append(x.elapsed_time(y) / 1e3)
-                unheld.append(_overlap_unheld(eng, s, a, b, k, layers))
                 first.append(x.elapsed_time(starts[0]) / 1e3)
                 stall.append(sum(ends[i - 1].elapsed_time(starts[i]) for i in range(1, layers)) / 1e3)
                 beside.append(sum(starts[i].elapsed_time(ends[i]) for i in range(layers)) / 1e3)
             t_comp, t_over, t_first = median(comp), median(over), median(first)
             t_stall, t_beside = median(stall), median(beside)
             ratio = t_over / max(t_load, t_comp)
-            t_unheld = median(unheld)
-            t_submitted = median(submitted)
             rows.append({"backend": backend, "layer_signal": signal, "layers": layers, "piece_bytes": piece,
                          "options": kw,
                          "load_ms": t_load * 1e3,
                          "compute_ms": t_comp * 1e3, "overlapped_ms": t_over * 1e3, "ratio_vs_max": ratio,
                          "first_layer_ms": t_first * 1e3, "stall_ms": t_stall * 1e3,
                          "compute_beside_ms": t_beside * 1e3, "host_submit_ms": median(submit) * 1e3,
-                         "submission_ms": t_submitted * 1e3, "submission": eng.submission,
-                         "unheld_ms": t_unheld * 1e3, "unheld_ratio_vs_max": t_unheld / max(t_load, t_comp),
                          "bytes": s.bytes, "host_layout": HOST["layout"], "host_pages": HOST["pages"],
                          "mean_host_run_pages": s.mean_host_run})
             print(f"32-layer overlap {piece >> 10:>3} KiB {backend:<11} {signal:<6} "
                   f"compute/load {t_comp / t_load:4.2f}: load {t_load * 1e3:6.2f} ms, "
                   f"compute {t_comp * 1e3:6.2f} ms, layer 0 at {t_first * 1e3:5.2f}, "
                   f"overlapped {t_over * 1e3:6.2f} ms = {ratio:.3f} x max (compute beside the load "
-                  f"{t_beside * 1e3:6.2f} ms, waits after layer 0 {t_stall * 1e3:5.2f} ms; the load call takes "
-                  f"{median(submit) * 1e3:5.2f} ms, its submission {t_submitted * 1e3:5.1f} ms; not held: "
-                  f"{t_unheld * 1e3:6.2f} ms = {t_unheld / max(t_load, t_comp):.3f} x max)"
+                  f"{t_beside * 1e3:6.2f} ms, waits after layer 0 {t_stall * 1e3:5.2f} ms; host submits the load "
+                  f"in {median(submit) * 1e3:5.1f} ms)"
                   + "".join(f" {k}={v}" for k, v in kw.items() if k not in ("stagger_ways", "ce_min_copy_bytes")),
                   flush=True)
         eng.close()

@@ -145,8 +145,6 @@ class HiCache:
             self.transfer = create_engine("cpu", self.device_pool, self.host_pool)
         self.tree = RadixTree(self.page_size, c.eviction_policy)
         self.metrics = metrics or Metrics()
-        submit_seconds = self.metrics.transfer_submit
-        self.transfer.submit_observer = lambda direction, seconds: submit_seconds[direction].observe(seconds)
         self.write_policy = c.write_policy
         self._lock = threading.RLock()
         # L1 -> L2 copies in flight: (handle, node, its page keys, its L2 pages) captured at submission
@@ -292,7 +290,9 @@ class HiCache:
         host = self._alloc_host(node.n_pages)
         if host is None:
             return False
+        t0 = time.perf_counter()
         handle = self.transfer.backup(node.device, host)
+        self.metrics.transfer_submit["backup"].observe(time.perf_counter() - t0)
         self.tree.set_host(node, host)
         self.metrics.backup_tokens.labels("l2").inc(node.n_pages * self.page_size)
         keys = list(node.page_keys)
@@ -444,7 +444,9 @@ class HiCache:
                     self.tree.unpin_host(nodes[-1])
                     self.tree.unlock(m.l1_node)
                 host = np.concatenate([x.host for x in nodes if x.host is not None])
+                t1 = time.perf_counter()
                 handle = self.transfer.load(host, dev, layer_wise=layer_wise)
+                self.metrics.transfer_submit["load"].observe(time.perf_counter() - t1)
                 off = 0
                 for x in nodes:
                     self.tree.set_device(x, dev[off: off + x.n_pages], handle)

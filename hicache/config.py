@@ -37,11 +37,8 @@ STAGED_KERNELS = ("per_chunk", "resident")
 # how the staged path lays out a block-first pool's slots: mirroring its blocks (whole blocks move as one
 # copy), or lc-major (one copy per layer, K/V and run of pages)
 BLOCK_STAGINGS = ("mirror", "lc_major")
-# where transfers are queued on the device: on the engine's own thread (the caller's returns at once), or
-# on the caller's
-SUBMISSIONS = ("thread", "inline")
 TRANSFER_CHOICE_OPTIONS = {"layer_signal": LAYER_SIGNALS, "staged_kernel": STAGED_KERNELS,
-                           "block_staging": BLOCK_STAGINGS, "submission": SUBMISSIONS}
+                           "block_staging": BLOCK_STAGINGS}
 TRANSFER_OPTIONS = (*TRANSFER_INT_OPTIONS, *TRANSFER_CHOICE_OPTIONS)
 ENV_PREFIX = "HICACHE_"
 

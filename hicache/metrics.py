@@ -87,7 +87,7 @@ class Metrics:
         self.storage_op = {op: self.storage_op_seconds.labels(op) for op in ("exists", "get", "set")}
         self.transfer_submit_seconds = Histogram(
             "hicache_transfer_submit_seconds", "Host time to submit one L1 <-> L2 transfer, by direction (load, "
-            "backup), on the transfer engine's submission thread; time near the copies' own is a host-bound node",
+            "backup); the call returns before the copies end, so time near the copies' own is a host-bound node",
             ["direction"], registry=r, buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
         self.transfer_submit = {d: self.transfer_submit_seconds.labels(d) for d in ("load", "backup")}
         self.prefetch_seconds = Histogram("hicache_prefetch_seconds", "From an L3 prefetch's start until its "

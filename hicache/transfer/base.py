@@ -12,7 +12,6 @@ Contract:
   an event recorded on the compute stream).
 * Index arrays are int64 page indices, equal length, in range, without duplicates in the destination;
   implementations raise ``ValueError`` otherwise and copy nothing.
-* The host time each submission takes is reported to ``submit_observer`` when one is set.
 * Engines are chosen through a registry (:func:`register_engine`, :func:`create_engine`).
 """
 
@@ -57,13 +56,6 @@ class TransferEngine(abc.ABC):
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.layout = device_pool.layout
-        # told (direction "load" or "backup", seconds) the host time each transfer's submission took, on
-        # whichever thread made it (a metric's hook)
-        self.submit_observer: Callable[[str, float], None] | None = None
-
-    def _observe(self, direction: str, seconds: float) -> None:
-        if self.submit_observer is not None:
-            self.submit_observer(direction, seconds)
 
     def _check(self, src: np.ndarray, dst: np.ndarray, src_cap: int, dst_cap: int) -> tuple[np.ndarray, np.ndarray]:
         src = np.ascontiguousarray(src, dtype=np.int64)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -63,13 +62,6 @@ class CpuTransferEngine(TransferEngine):
             job()
 
     def _submit(self, src: np.ndarray, dst: np.ndarray, to_device: bool) -> CpuHandle:
-        t0 = time.perf_counter()
-        try:
-            return self._queue_copies(src, dst, to_device)
-        finally:
-            self._observe("load" if to_device else "backup", time.perf_counter() - t0)
-
-    def _queue_copies(self, src: np.ndarray, dst: np.ndarray, to_device: bool) -> CpuHandle:
         L, C = self.layout.num_layers, self.layout.kv_count
         handle = CpuHandle(L, len(src))
         if len(src) == 0:

@@ -104,15 +104,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from hicache.config import BLOCK_STAGINGS, LAYER_SIGNALS, STAGED_KERNELS, SUBMISSIONS
+from hicache.config import BLOCK_STAGINGS, LAYER_SIGNALS, STAGED_KERNELS
 from hicache.pool import DevicePool, HostPool
 from hicache.transfer.base import TransferEngine, TransferHandle, register_engine, sorted_unique
 from hicache.transfer.copy_engine import CopyPlan, CudaRuntime, plan_copies
@@ -157,7 +155,6 @@ from hicache.transfer.staged import (
     shift_layers,
     with_slot_base,
 )
-from hicache.transfer.submitter import PendingHandle, Submitter
 
 IoBackend = Literal["kernel", "copy_engine", "staged", "auto"]
 IO_BACKENDS = ("kernel", "copy_engine", "staged", "auto")
@@ -254,10 +251,8 @@ class CudaTransferEngine(TransferEngine):
                  stage_lanes: int | None = None, backup_slots: int | None = None,
                  load_streams: int = DEFAULT_LOAD_STREAMS, stage_blocks: int = DEFAULT_STAGE_BLOCKS,
                  load_head_layers: int = DEFAULT_LOAD_HEAD_LAYERS, head_blocks: int = DEFAULT_HEAD_BLOCKS,
-                 block_staging: str = "mirror", submission: str = "thread") -> None:
+                 block_staging: str = "mirror") -> None:
         super().__init__(device_pool, host_pool)
-        if submission not in SUBMISSIONS:
-            raise ValueError(f"submission: must be one of {SUBMISSIONS}, got {submission!r}")
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
         if device_pool.device.type != "cuda":
@@ -354,8 +349,6 @@ class CudaTransferEngine(TransferEngine):
             raise
         # the end of the last staged load, which the load stream has not waited for (see _staged_load)
         self._unjoined: torch.cuda.Event | None = None
-        self.submission = submission
-        self._submitter = Submitter() if submission == "thread" else None
         self._closed = False
 
     def _setup(self, cupy: Any, buf: torch.Tensor, io_backend: str, blocks: int | None, threads: int) -> None:
@@ -511,48 +504,10 @@ class CudaTransferEngine(TransferEngine):
         self._inflight = alive
         return waits
 
-    def _dispatch(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool,
-                  layer_wise: bool = True) -> TransferHandle:
-        """Submit a checked transfer: on the submitter's thread (``submission="thread"``, the default),
-        after recording here the point of the caller's stream it must follow; else inline."""
+    def _submit(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool,
+                layer_wise: bool = True) -> CudaHandle:
         if self._closed:
             raise RuntimeError("transfer engine is closed")
-        direction = "backup" if to_host else "load"
-        if self._submitter is None or len(dev_idx) == 0:
-            t0 = time.perf_counter()
-            inline = self._submit(dev_idx, host_idx, to_host, layer_wise)
-            self._observe(direction, time.perf_counter() - t0)
-            return inline
-        with torch.cuda.device(self.device):
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-        handle = PendingHandle(self.layout.num_layers, len(dev_idx), self.device)
-
-        def job() -> None:
-            t0 = time.perf_counter()
-            try:
-                inner = self._submit(dev_idx, host_idx, to_host, layer_wise, ready, handle.publish)
-            except BaseException as e:
-                handle.fail(e)
-                return
-            finally:
-                self._observe(direction, time.perf_counter() - t0)
-            handle.complete(inner)
-
-        self._submitter.put(job)
-        return handle
-
-    def flush(self) -> None:
-        """Block until every transfer asked for so far is queued on the device (not finished)."""
-        if self._submitter is not None:
-            self._submitter.flush()
-
-    def _submit(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool,
-                layer_wise: bool = True, ready: torch.cuda.Event | None = None,
-                publish: Callable[[int, torch.cuda.Event], None] | None = None) -> CudaHandle:
-        """Queue one transfer on the device. ``ready``: the point of the caller's stream the transfer
-        follows (recorded now if not given); ``publish(layer, event)``: told each layer's event as soon
-        as it is recorded (staged loads; the others' events are in the returned handle)."""
         L, C = self.layout.num_layers, self.layout.kv_count
         n = len(dev_idx)
         if n == 0:
@@ -568,9 +523,9 @@ class CudaTransferEngine(TransferEngine):
         host_pages = sorted_unique(host_idx)
         dev_pages = sorted_unique(dev_idx)
         with self._lock, torch.cuda.device(self.device):
-            if ready is None:
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(self.device))
+            compute = torch.cuda.current_stream(self.device)
+            ready = torch.cuda.Event()
+            ready.record(compute)
             waits = self._hazards(host_pages, dev_pages, to_host)
             stream.wait_event(ready)
             for ev in waits:
@@ -582,7 +537,7 @@ class CudaTransferEngine(TransferEngine):
             keep: tuple[Any, ...] = ()
             if backend == "staged":
                 staged_events, keep, sflags = self._staged(dev_idx, host_idx, to_host, stream, [ready, *waits],
-                                                            layer_wise, publish)
+                                                            layer_wise)
                 self._inflight.append(_InFlight(staged_events[-1], host_pages, dev_pages, to_host, keep))
                 return CudaHandle(L, n, staged_events, backend, self.device, keep, sflags)
             if backend == "kernel":
@@ -662,9 +617,8 @@ class CudaTransferEngine(TransferEngine):
         return st
 
     def _staged(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream,
-                deps: list[torch.cuda.Event], layer_wise: bool = True,
-                publish: Callable[[int, torch.cuda.Event], None] | None = None,
-                ) -> tuple[list[torch.cuda.Event], tuple[Any, ...], LayerFlags | None]:
+                deps: list[torch.cuda.Event],
+                layer_wise: bool = True) -> tuple[list[torch.cuda.Event], tuple[Any, ...], LayerFlags | None]:
         """Submit a staged transfer (see :mod:`hicache.transfer.staged`); returns per-layer events, the
         buffers to keep alive, and the layer flags of a resident load (:meth:`_staged_resident`).
 
@@ -721,8 +675,8 @@ class CudaTransferEngine(TransferEngine):
             return events, (idx_host, idx, *meta), flags
         if sched is not None:
             lanes = self.load_lanes if layer_wise else self.stage_lanes
-            return (self._staged_load(plans, sched, stream, st, idx.data_ptr(), head, lanes, publish),
-                    (idx_host, idx), None)
+            return (self._staged_load(plans, sched, stream, st, idx.data_ptr(), head, lanes), (idx_host, idx),
+                    None)
         dma = self._dma_streams(stream)
         st.begin()
         k = 0
@@ -813,8 +767,7 @@ class CudaTransferEngine(TransferEngine):
 
     def _staged_load(self, plans: _StagePlans, schedule: tuple[LoadSchedule, list[tuple[int, int]]],
                      stream: torch.cuda.Stream, st: Stager, idx_ptr: int, head: int = 0,
-                     lanes: int | None = None,
-                     publish: Callable[[int, torch.cuda.Event], None] | None = None) -> list[torch.cuda.Event]:
+                     lanes: int | None = None) -> list[torch.cuda.Event]:
         """The load half of :meth:`_staged`: groups of layers, staggered over parts of the page list
         (:func:`~hicache.transfer.staged.stagger_schedule`), scattered on the stager's first ``lanes``
         lanes (default all).
@@ -844,20 +797,14 @@ class CudaTransferEngine(TransferEngine):
                 ev = torch.cuda.Event()
                 ev.record(hs)
                 head_events.append(ev)
-                if publish is not None:
-                    publish(layer, ev)
             # the DMA of the other layers follows: beside it the kernel's reads get little of the link
             stream.wait_event(head_events[-1])
         sched, bounds = schedule
-        last = len(sched.units) - 1
-        ready_after: dict[int, list[int]] = {}  # unit -> the layers ready once it has landed
-        for layer, unit in enumerate(sched.ready):
-            ready_after.setdefault(unit, []).append(head + layer)
         dma = self._dma_streams(stream, to_host=False)
         st.begin()
         k = 0
         landed: list[torch.cuda.Event] = []
-        for ui, (u, ramp_down) in enumerate(_unit_ramps(sched)):
+        for u, ramp_down in _unit_ramps(sched):
             lo, hi = bounds[u.way]
             scattered: list[torch.cuda.Event] = []
             shape = (u.n_layers, st.slot_bytes, 0, ramp_down)
@@ -885,9 +832,6 @@ class CudaTransferEngine(TransferEngine):
             ev = torch.cuda.Event()
             ev.record(sst)  # this part's group is in L1
             landed.append(ev)
-            if publish is not None and ui != last:  # the last unit's layers are ready at ``final``
-                for layer in ready_after.get(ui, ()):
-                    publish(layer, ev)
         dma.join()
         if head_events:
             sst.wait_event(head_events[-1])
@@ -899,6 +843,7 @@ class CudaTransferEngine(TransferEngine):
         final = torch.cuda.Event()
         final.record(sst)
         self._unjoined = final
+        last = len(sched.units) - 1
         return head_events + [final if sched.ready[layer] == last else landed[sched.ready[layer]]
                               for layer in range(L - head)]
 
@@ -1024,15 +969,14 @@ class CudaTransferEngine(TransferEngine):
         layer group, no stagger, no head), at the copy engine's full rate (H200, 32-layer loads of 4-16 KiB
         pieces: 0.99 of the link, against 0.89-0.95 in staggered layer groups)."""
         src, dst = self._check(host_idx, device_idx, self.host_pool.num_pages, self.device_pool.num_pages)
-        return self._dispatch(dst, src, to_host=False, layer_wise=layer_wise)
+        return self._submit(dst, src, to_host=False, layer_wise=layer_wise)
 
     def backup(self, device_idx: np.ndarray, host_idx: np.ndarray) -> TransferHandle:
         src, dst = self._check(device_idx, host_idx, self.device_pool.num_pages, self.host_pool.num_pages)
-        return self._dispatch(src, dst, to_host=True)
+        return self._submit(src, dst, to_host=True)
 
     def synchronize(self) -> None:
-        """Block until every transfer asked for so far has finished."""
-        self.flush()
+        """Block until every submitted transfer has finished."""
         self.load_stream.synchronize()
         self.backup_stream.synchronize()
         for st in self._stagers.values():
@@ -1042,8 +986,6 @@ class CudaTransferEngine(TransferEngine):
         """Finish in-flight copies, then unpin the host pool if this engine pinned it. Idempotent."""
         if self._closed:
             return
-        if self._submitter is not None:
-            self._submitter.close()  # the queued submissions run first
         self._closed = True
         self.synchronize()
         self._inflight = []

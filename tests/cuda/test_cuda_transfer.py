@@ -3,9 +3,7 @@
 Skipped without a CUDA GPU or CuPy (collection imports neither CuPy nor a CUDA build of torch).
 """
 
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,7 +13,6 @@ import torch
 from hicache.layout import KVLayout
 from hicache.pool import DevicePool, HostPool
 from hicache.transfer import create_engine
-from hicache.transfer.submitter import PendingHandle
 
 pytestmark = pytest.mark.cuda
 
@@ -83,11 +80,6 @@ def _expect_backup(host_before: torch.Tensor, block_pages: int, dev_snap, d: np.
     for layer, c in slots:
         out[:, layer, c][ht // block_pages, ht % block_pages] = dev_snap[layer][c][torch.from_numpy(d)]
     return out
-
-
-def _own(handle: Any) -> Any:
-    """The engine's own handle of a transfer (a thread-submitted one's, once submitted)."""
-    return handle.result() if isinstance(handle, PendingHandle) else handle
 
 
 def _backend_kw(io_backend: str) -> dict[str, Any]:
@@ -518,7 +510,7 @@ def test_auto_picks_copy_engine_for_large_runs() -> None:
         assert eng.choose_backend(scattered, scattered) == "kernel"
         before = _snapshot(dev)
         handle = eng.load(run + 8, run)
-        assert _own(handle).backend == "copy_engine"
+        assert handle.backend == "copy_engine"  # type: ignore[attr-defined]
         handle.wait()
         expect = _expect_load(before, host, run, run + 8, {(x, c) for x in range(2) for c in range(2)})
         got = _snapshot(dev)
@@ -567,8 +559,8 @@ def test_auto_picks_staged_for_small_pieces_where_host_runs_are_long() -> None:
             assert eng.choose_backend(d, h) == expect, host_layout
             assert eng.load_lanes == (1 if host_layout != "page_first" else eng.stage_lanes)  # lc-major: one
             handle = _load_checked_layer_by_layer(eng, dev, host, d, h)
-            assert _own(handle).backend == expect
-            ev = _own(handle).events
+            assert handle.backend == expect  # type: ignore[attr-defined]
+            ev = handle.events  # type: ignore[attr-defined]
             if expect == "staged" and host_layout == "page_first":  # two groups of 8 (too few pages to stagger)
                 assert ev[0] is ev[7] and ev[7] is not ev[8]
             elif expect == "staged":  # lc-major: one event per layer
@@ -590,9 +582,9 @@ def test_staggered_staged_load_layer_by_layer(ways: int, kernel: str) -> None:
     try:
         d, h = _indices(n, n + 64, n + 32, seed=22)
         handle = _load_checked_layer_by_layer(eng, dev, host, d, h)
-        steps = len({id(e) for e in _own(handle).events})
+        steps = len({id(e) for e in handle.events})  # type: ignore[attr-defined]
         if kernel == "resident":
-            assert steps == 1 and _own(handle).flags is not None
+            assert steps == 1 and handle.flags is not None  # type: ignore[attr-defined]
         else:
             assert steps == 2 * ways, steps
     finally:
@@ -623,11 +615,11 @@ def test_staged_whole_load_moves_whole_pages(kernel: str) -> None:
         for layer in range(L):
             for c in range(2):
                 assert torch.equal(snaps[layer][c].cpu(), want[layer][c]), (layer, c)
-        assert len({id(e) for e in _own(handle).events}) == 1
+        assert len({id(e) for e in handle.events}) == 1  # type: ignore[attr-defined]
         if kernel == "per_chunk":
             d2, h2 = _indices(n, 2 * n, 2 * n, seed=66)
             layered = _load_checked_layer_by_layer(eng, dev, host, d2, h2)
-            assert len({id(e) for e in _own(layered).events}) > 2
+            assert len({id(e) for e in layered.events}) > 2  # type: ignore[attr-defined]
     finally:
         eng.close()
 
@@ -645,7 +637,7 @@ def test_staged_load_head_layers_by_kernel(head: int) -> None:
     try:
         d, h = _indices(n, 2 * n, 2 * n, seed=61)
         handle = _load_checked_layer_by_layer(eng, dev, host, d, h)
-        ev = _own(handle).events
+        ev = handle.events  # type: ignore[attr-defined]
         k = min(head, layout.num_layers - 1)
         assert len({id(e) for e in ev[:k]}) == k and not {id(e) for e in ev[:k]} & {id(e) for e in ev[k:]}
         d2 = d[: n // 2]
@@ -662,7 +654,7 @@ def test_staged_load_head_layers_by_kernel(head: int) -> None:
     try:
         d, h = _indices(64, 64, 64, seed=63)
         handle = _load_checked_layer_by_layer(eng, dev, host, d, h)
-        assert len({id(e) for e in _own(handle).events}) == 1
+        assert len({id(e) for e in handle.events}) == 1  # type: ignore[attr-defined]
     finally:
         eng.close()
 
@@ -745,7 +737,6 @@ def test_block_first_whole_loads_scatter_on_every_lane(monkeypatch: pytest.Monke
         for h, layer_wise in loads:
             before = len(used)
             handles.append(eng.load(h.astype(np.int64), d, layer_wise=layer_wise))
-            eng.flush()  # submitted (on the engine's thread)
             lanes = set(used[before:])
             assert len(used) - before > len(st.lanes)  # every slot used more than once in all
             assert lanes == ({0} if layer_wise else set(range(len(st.lanes)))), (layer_wise, lanes)
@@ -758,120 +749,6 @@ def test_block_first_whole_loads_scatter_on_every_lane(monkeypatch: pytest.Monke
                 assert torch.equal(got[layer][c], want[layer][c]), (layer, c)
     finally:
         eng.close()
-
-
-def _gated(eng: Any, monkeypatch: pytest.MonkeyPatch, method: str, when: Callable[..., bool]) -> threading.Event:
-    """Make ``eng.<method>`` wait (on the submitter's thread) for the returned gate on calls where
-    ``when(*args)`` holds."""
-    gate = threading.Event()
-    real = getattr(eng, method)
-
-    def call(*a: Any, **k: Any) -> Any:
-        if when(*a, **k):
-            assert gate.wait(30), "gate never opened"
-        return real(*a, **k)
-
-    monkeypatch.setattr(eng, method, call)
-    return gate
-
-
-def test_thread_submission_follows_the_callers_stream_as_of_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``backup`` returns while its submission is held on the engine's thread; the caller then queues
-    more compute. The backup copies what the compute stream had written before the call (it waits for
-    the point of the stream recorded at the call, not at the submission), and it does not wait for the
-    compute queued after the call."""
-    layout = KVLayout(8, 2, 64, "bfloat16", 16)
-    n = 32
-    dev, host = _pools(layout, 2 * n, 2 * n, "page_first", seed=70, pin=True)
-    eng = create_engine("cuda", dev, host, io_backend="staged")
-    try:
-        assert eng.submission == "thread"  # type: ignore[attr-defined]
-        gate = _gated(eng, monkeypatch, "_submit", lambda *a, **k: True)
-        d, h = _indices(n, 2 * n, 2 * n, seed=71)
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for row in dev.kv:  # written after the sleep, before the call: the backup must see 7s
-            for t in row:
-                t.view(torch.uint8)[torch.from_numpy(d).cuda()] = 7
-        handle = eng.backup(d, h)
-        assert not handle.done()
-        torch.cuda._sleep(8 * SLEEP_CYCLES)  # ~400 ms of compute queued after the call
-        later = torch.cuda.Event()
-        later.record()
-        gate.set()
-        handle.wait()
-        assert not later.query(), "the backup waited for compute queued after the call"
-        for layer in range(layout.num_layers):
-            for c in range(2):
-                got = host.layer_view(layer, c)[torch.from_numpy(h)].view(torch.uint8)
-                assert bool((got == 7).all()), (layer, c)
-        torch.cuda.synchronize()
-    finally:
-        eng.close()
-
-
-def test_thread_submission_publishes_early_layers_before_the_whole_load_is_queued(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A staggered staged load whose submission is held just before its last layers' chunks:
-    ``wait_layer(0)`` returns meanwhile, and the compute it gates sees layer 0's data; the rest lands
-    once the submission goes on."""
-    layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces: groups of 8 layers, staggered
-    n = 256
-    dev, host = _pools(layout, 2 * n, 2 * n, "page_first", seed=72, pin=True)
-    eng = create_engine("cuda", dev, host, io_backend="staged")
-    try:
-        L = layout.num_layers
-        # hold the first chunk of a unit that ends at the last layer (such units are submitted last)
-        gate = _gated(eng, monkeypatch, "_launch_stage", lambda *a, **k: a[5] + a[6] == L)
-        d, h = _indices(n, 2 * n, 2 * n, seed=73)
-        want = _expect_load(_snapshot(dev), host, d, h, {(x, c) for x in range(L) for c in range(2)})
-        handle = eng.load(h, d)
-        handle.wait_layer(0)
-        assert isinstance(handle, PendingHandle) and not handle.submitted(timeout=0)
-        layer0 = [t.view(torch.uint8).clone() for t in dev.kv[0]]
-        gate.set()
-        for layer in range(L):
-            handle.wait_layer(layer)
-        handle.wait()
-        torch.cuda.synchronize()
-        for c in range(2):
-            assert torch.equal(layer0[c].cpu(), want[0][c]), c
-        got = _snapshot(dev)
-        for layer in range(L):
-            for c in range(2):
-                assert torch.equal(got[layer][c], want[layer][c]), (layer, c)
-    finally:
-        eng.close()
-
-
-def test_thread_submission_failure_fails_its_handle_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A submission that raises on the engine's thread fails its own handle (``wait``, ``wait_layer``),
-    the transfers queued after it are unaffected, and ``close`` runs what is still queued."""
-    layout = KVLayout(8, 2, 64, "bfloat16", 16)
-    n = 32
-    dev, host = _pools(layout, 4 * n, 4 * n, "page_first", seed=74, pin=True)
-    eng = create_engine("cuda", dev, host, io_backend="staged")
-    real = eng._submit  # type: ignore[attr-defined]
-    calls = {"n": 0}
-
-    def flaky(*a: Any, **k: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected submission failure")
-        return real(*a, **k)
-
-    monkeypatch.setattr(eng, "_submit", flaky)
-    d, h = _indices(n, 4 * n, 4 * n, seed=75)
-    bad = eng.load(h, d)
-    with pytest.raises(RuntimeError, match="injected"):
-        bad.wait_layer(0)
-    with pytest.raises(RuntimeError, match="injected"):
-        bad.wait()
-    assert bad.done()
-    _load_checked_layer_by_layer(eng, dev, host, d, h)
-    d2 = d + n
-    queued = eng.backup(d2, h)  # still queued or running when the engine closes
-    eng.close()
-    assert queued.done()
 
 
 def _two_loads_behind(held: torch.cuda.Stream, eng: Any, dev: DevicePool, first: tuple[np.ndarray, np.ndarray],
@@ -912,7 +789,6 @@ def test_staged_load_leaves_the_load_stream_free_while_its_scatters_wait(monkeyp
         held.record(st.lanes[0])
         a = eng.load(h1, d1)
         b = eng.load(h2, d2)
-        eng.flush()  # both queued on the device
         dma_done = torch.cuda.Event()
         dma_done.record(eng.load_stream)  # after the second load's DMAs
         deadline = time.monotonic() + 5
@@ -1080,8 +956,8 @@ def test_resident_staged_failure_midway_releases_the_kernel(to_host: bool, monke
         monkeypatch.setattr(rt, "run", flaky)  # the runtime is shared by every engine: undone below
         d, h = _indices(n, 2 * n, 2 * n, seed=41)
         try:
-            with pytest.raises(RuntimeError, match="injected"):  # through the handle of a thread-submitted one
-                (eng.backup(d, h) if to_host else eng.load(h, d)).wait()
+            with pytest.raises(RuntimeError, match="injected"):
+                eng.backup(d, h) if to_host else eng.load(h, d)
         finally:
             monkeypatch.undo()
         eng.synchronize()  # would hang on a kernel still waiting for its flags
