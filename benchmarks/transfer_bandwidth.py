@@ -479,9 +479,7 @@ def bench_gemm(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
                 ("d2h", "staged", {}), ("d2h", "staged", {"backup_streams": 1}), ("d2h", "staged", {"stage_lanes": 1}),
                 ("h2d", "staged", {"staged_kernel": "resident"}), ("d2h", "staged", {"staged_kernel": "resident"}),
                 ("h2d", "staged", {"staged_kernel": "resident", "resident_blocks": 1})]
-    if args.compute_configs:
-        configs = [("h2d", "pinned", {}), ("d2h", "pinned", {}), *args.compute_configs]
-    elif HOST["layout"] != "page_first":  # the resident kernel needs page-first; block-first compares its stagings
+    if HOST["layout"] != "page_first":  # the resident kernel needs page-first; block-first compares its stagings
         configs = [c for c in configs if c[2].get("staged_kernel") != "resident"]
         if HOST["layout"] == "block_first":
             configs += [(dr, "staged", {"block_staging": "lc_major"}) for dr in ("h2d", "d2h")]
@@ -494,8 +492,6 @@ def bench_sdpa(args: argparse.Namespace, ceil: dict[str, float]) -> list[dict[st
         (d, b, {}) for b in ("pinned", "kernel", "copy_engine", "staged") for d in ("h2d", "d2h")]
     configs.insert(6, ("d2h", "copy_engine", {"backup_streams": 1}))
     configs.append(("d2h", "staged", {"backup_streams": 1}))
-    if args.compute_configs:
-        configs = [("h2d", "pinned", {}), ("d2h", "pinned", {}), *args.compute_configs]
     return bench_compute(args, ceil, sdpa_compute(), configs)
 
 
@@ -512,6 +508,8 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
     submission outlasted the gap is counted in ``late_pairs``. The first configuration of each direction
     should be ``pinned``: it gives the ceiling under that compute.
     """
+    if args.compute_configs:  # the rows asked for instead of the fixed ones, after the pinned baselines
+        configs = [("h2d", "pinned", {}), ("d2h", "pinned", {}), *args.compute_configs]
     k = args.gemms
     for _ in range(3):
         compute.time(k)
