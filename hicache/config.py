@@ -30,7 +30,7 @@ IO_BACKENDS = ("auto", "cpu", "kernel", "copy_engine", "staged")
 TRANSFER_INT_OPTIONS = {"blocks": 1, "threads": 32, "ce_min_copy_bytes": 1, "staging_bytes": 4, "stagger_ways": 1,
                         "backup_streams": 1, "resident_blocks": 1, "stage_lanes": 1,
                         "backup_slots": 4, "load_streams": 1, "stage_blocks": 1, "load_head_layers": 0,
-                        "head_blocks": 1}
+                        "head_blocks": 1, "submit_ahead": 0}
 LAYER_SIGNALS = ("auto", "flags", "events")
 # the staged path's device-side copies: one kernel per staging chunk, or one resident kernel per transfer
 STAGED_KERNELS = ("per_chunk", "resident")

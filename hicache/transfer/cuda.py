@@ -104,6 +104,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -133,6 +134,7 @@ from hicache.transfer.cuda_tuning import (
     DEFAULT_LOAD_HEAD_LAYERS,
     DEFAULT_LOAD_STREAMS,
     DEFAULT_STAGING_BYTES,
+    DEFAULT_SUBMIT_AHEAD,
     FAN_MIN_COPIES,
     SEQ_LIMIT,
     STAGE_RAMP,
@@ -142,6 +144,7 @@ from hicache.transfer.cuda_tuning import (
     default_stage_lanes,
     staging_slots,
 )
+from hicache.transfer.deferred import Pending, SubmitQueue
 from hicache.transfer.resident import ResidentChunk, number_chunks
 from hicache.transfer.staged import (
     LoadSchedule,
@@ -173,12 +176,14 @@ class LayerFlags:
 class CudaHandle(TransferHandle):
     """Per-layer readiness of one transfer (CUDA events, or layer flags plus a completion event).
 
-    Keeps the index tensors alive until it completes.
+    Keeps the index tensors alive until it completes. A layer-wise staged load may have steps not yet
+    submitted (``pending``, see :mod:`hicache.transfer.deferred`): ``wait_layer(i)`` first submits those
+    up to layer ``i + ahead``, ``wait``, ``done`` and :meth:`submit` all of them.
     """
 
     def __init__(self, num_layers: int, num_pages: int, events: list[torch.cuda.Event],
                  backend: str, device: torch.device, keep: tuple[Any, ...] = (),
-                 flags: LayerFlags | None = None) -> None:
+                 flags: LayerFlags | None = None, pending: _Deferral | None = None) -> None:
         self.num_layers = num_layers
         self.device = device
         self.num_pages = num_pages
@@ -186,10 +191,33 @@ class CudaHandle(TransferHandle):
         self.backend = backend
         self.flags = flags
         self._keep: tuple[Any, ...] = keep
+        self._pending = pending
+
+    def _submit_through(self, layer: int) -> None:
+        """Submit the steps layer ``layer`` (and ``ahead`` more) needs; raise if one of them failed."""
+        d = self._pending
+        if d is None:
+            return
+        d.advance(layer)
+        if d.pending.complete:
+            self._pending = None
+
+    @property
+    def unsubmitted_steps(self) -> int:
+        """Steps of this transfer the host has not submitted yet (0 once all are queued on the device)."""
+        d = self._pending
+        return 0 if d is None else d.pending.total - d.pending.ran
+
+    def submit(self) -> None:
+        """Submit every step not yet submitted (never waits for the device). Afterwards the transfer is
+        ordered on the engine's streams as if ``load`` had submitted it all: e.g. a device-wide
+        synchronisation then covers it."""
+        self._submit_through(self.num_layers - 1)
 
     def wait_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"wait_layer: layer {layer} outside [0, {self.num_layers})")
+        self._submit_through(layer)
         if not self.events or self.events[layer].query():
             return  # nothing copied, or already landed: no wait needed
         stream = torch.cuda.current_stream(self.device)
@@ -200,15 +228,32 @@ class CudaHandle(TransferHandle):
             stream.wait_event(self.events[layer])
 
     def wait(self) -> None:
+        self.submit()
         if self.events:
             self.events[-1].synchronize()
         self._keep = ()
 
     def done(self) -> bool:
+        self.submit()
         if not self.events or self.events[-1].query():
             self._keep = ()
             return True
         return False
+
+
+@dataclass
+class _Deferral:
+    """A layer-wise staged load's steps not yet submitted, and which of them each layer needs."""
+
+    engine: CudaTransferEngine
+    pending: Pending
+    steps_for_layer: list[int]  # steps that must have run before layer i is ready (non-decreasing)
+    ahead: int  # layers submitted beyond the one asked for
+
+    def advance(self, layer: int) -> None:
+        want = self.steps_for_layer[min(layer + self.ahead, len(self.steps_for_layer) - 1)]
+        if self.pending.ran < want or self.pending.error is not None:
+            self.engine._advance(self.pending, want)
 
 
 @dataclass
@@ -251,7 +296,7 @@ class CudaTransferEngine(TransferEngine):
                  stage_lanes: int | None = None, backup_slots: int | None = None,
                  load_streams: int = DEFAULT_LOAD_STREAMS, stage_blocks: int = DEFAULT_STAGE_BLOCKS,
                  load_head_layers: int = DEFAULT_LOAD_HEAD_LAYERS, head_blocks: int = DEFAULT_HEAD_BLOCKS,
-                 block_staging: str = "mirror") -> None:
+                 block_staging: str = "mirror", submit_ahead: int = DEFAULT_SUBMIT_AHEAD) -> None:
         super().__init__(device_pool, host_pool)
         if io_backend not in IO_BACKENDS:
             raise ValueError(f"io_backend: must be one of {IO_BACKENDS}, got {io_backend!r}")
@@ -283,6 +328,9 @@ class CudaTransferEngine(TransferEngine):
         if load_head_layers < 0:
             raise ValueError(f"load_head_layers: must be >= 0, got {load_head_layers}")
         self.load_head_layers = load_head_layers
+        if submit_ahead < 0:
+            raise ValueError(f"submit_ahead: must be >= 0, got {submit_ahead}")
+        self.submit_ahead = submit_ahead
         if head_blocks < 1:
             raise ValueError(f"head_blocks: must be >= 1, got {head_blocks}")
         self.head_blocks = head_blocks
@@ -388,6 +436,7 @@ class CudaTransferEngine(TransferEngine):
         self._load_lanes = [torch.cuda.Stream(self.device, priority=-1) for _ in range(self.load_streams - 1)]
         self._lock = threading.Lock()
         self._inflight: list[_InFlight] = []
+        self._deferred = SubmitQueue()  # layer-wise loads' steps not yet submitted (hicache.transfer.deferred)
 
     def _setup_flags(self, layer_signal: str) -> None:
         """Kernel loads as one launch with per-layer flags when stream memory waits work here."""
@@ -523,6 +572,8 @@ class CudaTransferEngine(TransferEngine):
         host_pages = sorted_unique(host_idx)
         dev_pages = sorted_unique(dev_idx)
         with self._lock, torch.cuda.device(self.device):
+            # earlier loads' deferred steps first: hazards, slots and ``_unjoined`` then know all of them
+            self._deferred.run_all()
             compute = torch.cuda.current_stream(self.device)
             ready = torch.cuda.Event()
             ready.record(compute)
@@ -536,10 +587,10 @@ class CudaTransferEngine(TransferEngine):
                 self._unjoined = None
             keep: tuple[Any, ...] = ()
             if backend == "staged":
-                staged_events, keep, sflags = self._staged(dev_idx, host_idx, to_host, stream, [ready, *waits],
-                                                            layer_wise)
+                staged_events, keep, sflags, deferral = self._staged(dev_idx, host_idx, to_host, stream,
+                                                                     [ready, *waits], layer_wise)
                 self._inflight.append(_InFlight(staged_events[-1], host_pages, dev_pages, to_host, keep))
-                return CudaHandle(L, n, staged_events, backend, self.device, keep, sflags)
+                return CudaHandle(L, n, staged_events, backend, self.device, keep, sflags, deferral)
             if backend == "kernel":
                 idx_host = torch.from_numpy(np.stack([dev_idx, self.host_pool.host_keys(host_idx)])).pin_memory()
                 with torch.cuda.stream(stream):  # allocated on the stream that uses it
@@ -618,9 +669,11 @@ class CudaTransferEngine(TransferEngine):
 
     def _staged(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream,
                 deps: list[torch.cuda.Event],
-                layer_wise: bool = True) -> tuple[list[torch.cuda.Event], tuple[Any, ...], LayerFlags | None]:
+                layer_wise: bool = True) -> tuple[list[torch.cuda.Event], tuple[Any, ...], LayerFlags | None,
+                                                  _Deferral | None]:
         """Submit a staged transfer (see :mod:`hicache.transfer.staged`); returns per-layer events, the
-        buffers to keep alive, and the layer flags of a resident load (:meth:`_staged_resident`).
+        buffers to keep alive, the layer flags of a resident load (:meth:`_staged_resident`), and the
+        steps of a layer-wise load not submitted yet (:meth:`_staged_load`).
 
         Load (:meth:`_staged_load`), per chunk: the load stream DMAs host runs into a slot, the slot's
         lane scatters it into L1. Backup, per chunk: the slot's lane gathers L1 into it, the backup stream
@@ -672,11 +725,12 @@ class CudaTransferEngine(TransferEngine):
         self.stage_kernel.fetch_indices(sst.cuda_stream, idx_host.data_ptr(), idx.data_ptr(), idx.numel())
         if self.staged_kernel == "resident":
             events, meta, flags = self._staged_resident(keys, to_host, stream, st, idx.data_ptr(), layer_wise)
-            return events, (idx_host, idx, *meta), flags
+            return events, (idx_host, idx, *meta), flags, None
         if sched is not None:
             lanes = self.load_lanes if layer_wise else self.stage_lanes
-            return (self._staged_load(plans, sched, stream, st, idx.data_ptr(), head, lanes), (idx_host, idx),
-                    None)
+            events, deferral = self._staged_load(plans, sched, stream, st, idx.data_ptr(), head, lanes,
+                                                 self.submit_ahead if layer_wise else L)
+            return events, (idx_host, idx), None, deferral
         dma = self._dma_streams(stream)
         st.begin()
         k = 0
@@ -704,7 +758,7 @@ class CudaTransferEngine(TransferEngine):
         dma.join()
         final = torch.cuda.Event()
         final.record(stream)
-        return [final] * L, (idx_host, idx), None
+        return [final] * L, (idx_host, idx), None, None
 
     def _dma_streams(self, stream: torch.cuda.Stream, to_host: bool = True) -> DmaStreams:
         """The streams a staged transfer's chunk DMAs go on in turn: ``stream`` and the backup lanes
@@ -767,10 +821,12 @@ class CudaTransferEngine(TransferEngine):
 
     def _staged_load(self, plans: _StagePlans, schedule: tuple[LoadSchedule, list[tuple[int, int]]],
                      stream: torch.cuda.Stream, st: Stager, idx_ptr: int, head: int = 0,
-                     lanes: int | None = None) -> list[torch.cuda.Event]:
+                     lanes: int | None = None, ahead: int | None = None,
+                     ) -> tuple[list[torch.cuda.Event], _Deferral | None]:
         """The load half of :meth:`_staged`: groups of layers, staggered over parts of the page list
         (:func:`~hicache.transfer.staged.stagger_schedule`), scattered on the stager's first ``lanes``
-        lanes (default all).
+        lanes (default all). Returns the per-layer events and, when some units are left to submit, their
+        deferral.
 
         ``plans`` holds the host pages and keys (``HostPool.host_keys``) in host order and ``idx_ptr`` the
         matching device pages on the GPU (then, when ``head`` > 0, the host keys; then the slot keys of
@@ -781,10 +837,15 @@ class CudaTransferEngine(TransferEngine):
         holds it. The first ``head`` layers are not staged: the gather kernel copies
         them from host memory, one launch and one event per layer, on the head stream, before the DMA of
         the others (:meth:`_head_layers`).
+
+        Units are submitted here only up to those that layer ``ahead`` needs (``None``: all of them); the
+        others are submitted in order by the handle's later calls (:class:`_Deferral`,
+        :mod:`hicache.transfer.deferred`). Their events exist from the start and are recorded as their
+        units are submitted.
         """
         assert self._rt is not None
+        rt = self._rt
         L, C = self.layout.num_layers, self.layout.kv_count
-        n = len(plans.keys)
         sst = st.stream
         head_events: list[torch.cuda.Event] = []
         if head:
@@ -792,6 +853,7 @@ class CudaTransferEngine(TransferEngine):
             fetched = torch.cuda.Event()
             fetched.record(sst)  # the transfer's dependencies and the index fetch
             hs.wait_event(fetched)
+            n = len(plans.keys)
             for layer in range(head):
                 kern.launch(hs.cuda_stream, idx_ptr, idx_ptr + 8 * n, n, layer * C, C, to_host=False)
                 ev = torch.cuda.Event()
@@ -802,50 +864,75 @@ class CudaTransferEngine(TransferEngine):
         sched, bounds = schedule
         dma = self._dma_streams(stream, to_host=False)
         st.begin()
-        k = 0
-        landed: list[torch.cuda.Event] = []
-        for u, ramp_down in _unit_ramps(sched):
-            lo, hi = bounds[u.way]
-            scattered: list[torch.cuda.Event] = []
-            shape = (u.n_layers, st.slot_bytes, 0, ramp_down)
-            for ch in self._plan_chunks(plans, u.layer_begin, u.n_layers, st.slot_bytes, False, 0, ramp_down, lo,
-                                        hi):
-                s, base = st.take()
-                plan = with_slot_base(ch.plan, base, False)
-                out = dma.stream(k)
-                k += 1
-                prev = st.free[s]
-                if prev is not None:
-                    out.wait_event(prev)
-                self._rt.run(plan, out.cuda_stream)
-                done = torch.cuda.Event()
-                done.record(out)
-                lane = st.lane(s, lanes)
-                lane.wait_event(done)
-                self._launch_stage(lane, plans, idx_ptr, ch, shape, u.layer_begin, u.n_layers, False, base, st, lo)
-                freed = torch.cuda.Event()
-                freed.record(lane)
-                st.free[s] = freed
-                scattered.append(freed)
-            for freed in scattered:
-                sst.wait_event(freed)
-            ev = torch.cuda.Event()
-            ev.record(sst)  # this part's group is in L1
-            landed.append(ev)
-        dma.join()
-        if head_events:
-            sst.wait_event(head_events[-1])
-        # The end of the load is on the stage stream, after every scatter (each follows its DMA) and the
-        # head. ``stream`` does not wait for it: the next staged load's DMAs only need free slots, and its
-        # scatters follow this load's on the stage stream. Waiting here left the link idle at the end of
-        # every load until its last scatter got SMs, up to a whole GEMM kernel beside compute. Any other
-        # transfer on ``stream`` waits for it first (``_unjoined``, in :meth:`_submit`).
+        units = _unit_ramps(sched)
+        last = len(units) - 1
+        landed = [torch.cuda.Event() for _ in units]
         final = torch.cuda.Event()
-        final.record(sst)
-        self._unjoined = final
-        last = len(sched.units) - 1
-        return head_events + [final if sched.ready[layer] == last else landed[sched.ready[layer]]
-                              for layer in range(L - head)]
+
+        def steps() -> Generator[None, None, None]:
+            k = 0
+            for ui, (u, ramp_down) in enumerate(units):
+                lo, hi = bounds[u.way]
+                scattered: list[torch.cuda.Event] = []
+                shape = (u.n_layers, st.slot_bytes, 0, ramp_down)
+                for ch in self._plan_chunks(plans, u.layer_begin, u.n_layers, st.slot_bytes, False, 0, ramp_down,
+                                            lo, hi):
+                    s, base = st.take()
+                    plan = with_slot_base(ch.plan, base, False)
+                    out = dma.stream(k)
+                    k += 1
+                    prev = st.free[s]
+                    if prev is not None:
+                        out.wait_event(prev)
+                    rt.run(plan, out.cuda_stream)
+                    done = torch.cuda.Event()
+                    done.record(out)
+                    lane = st.lane(s, lanes)
+                    lane.wait_event(done)
+                    self._launch_stage(lane, plans, idx_ptr, ch, shape, u.layer_begin, u.n_layers, False, base, st,
+                                       lo)
+                    freed = torch.cuda.Event()
+                    freed.record(lane)
+                    st.free[s] = freed
+                    scattered.append(freed)
+                for freed in scattered:
+                    sst.wait_event(freed)
+                landed[ui].record(sst)  # this part's group is in L1
+                if ui == last:
+                    dma.join()
+                    if head_events:
+                        sst.wait_event(head_events[-1])
+                    # The end of the load is on the stage stream, after every scatter (each follows its DMA)
+                    # and the head. ``stream`` does not wait for it: the next staged load's DMAs only need
+                    # free slots, and its scatters follow this load's on the stage stream. Waiting here left
+                    # the link idle at the end of every load until its last scatter got SMs, up to a whole
+                    # GEMM kernel beside compute. Any other transfer on ``stream`` waits for it first
+                    # (``_unjoined``, in :meth:`_submit`).
+                    final.record(sst)
+                    self._unjoined = final
+                yield
+
+        events = head_events + [final if sched.ready[layer] == last else landed[sched.ready[layer]]
+                                for layer in range(L - head)]
+        # steps (units) each layer needs submitted: none for the head's, which are queued above
+        need = [0] * head + [sched.ready[layer] + 1 for layer in range(L - head)]
+        pending = Pending(steps(), len(units))
+        self._deferred.add(pending)  # every earlier step ran (``_submit``): this runs only its own
+        self._deferred.advance(pending, need[L - 1] if ahead is None else need[min(ahead, L - 1)])
+        if pending.complete:
+            return events, None
+        return events, _Deferral(self, pending, need, L if ahead is None else ahead)
+
+    def _advance(self, pending: Pending, steps: int) -> None:
+        """Submit deferred steps: every earlier transfer's, then ``pending``'s until ``steps`` of it ran
+        (see :class:`~hicache.transfer.deferred.SubmitQueue`). Raises that transfer's error, if any."""
+        with self._lock, torch.cuda.device(self.device):
+            self._deferred.advance(pending, steps)
+
+    def submit_pending(self) -> None:
+        """Submit every deferred step of every transfer (never waits for the device)."""
+        with self._lock, torch.cuda.device(self.device):
+            self._deferred.run_all()
 
     def _head_copier(self) -> tuple[torch.cuda.Stream, KernelCopier]:
         """The stream and gather kernel (``head_blocks`` blocks) of staged loads' head layers, made on first
@@ -976,7 +1063,8 @@ class CudaTransferEngine(TransferEngine):
         return self._submit(src, dst, to_host=True)
 
     def synchronize(self) -> None:
-        """Block until every submitted transfer has finished."""
+        """Block until every transfer has finished, deferred steps submitted first."""
+        self.submit_pending()
         self.load_stream.synchronize()
         self.backup_stream.synchronize()
         for st in self._stagers.values():

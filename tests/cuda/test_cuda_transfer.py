@@ -789,6 +789,7 @@ def test_staged_load_leaves_the_load_stream_free_while_its_scatters_wait(monkeyp
         held.record(st.lanes[0])
         a = eng.load(h1, d1)
         b = eng.load(h2, d2)
+        b.submit()  # type: ignore[attr-defined]  # every unit queued (a layer-wise load defers its later ones)
         dma_done = torch.cuda.Event()
         dma_done.record(eng.load_stream)  # after the second load's DMAs
         deadline = time.monotonic() + 5
@@ -1064,3 +1065,109 @@ def test_cache_round_trip_through_l2(io_backend: str) -> None:
         cache.check_integrity([])
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "block_first"])
+def test_layer_wise_staged_load_submits_its_later_units_from_the_waits(host_layout: str) -> None:
+    """A layer-wise staged load submits in ``load`` only the units up to layer ``submit_ahead``; each
+    ``wait_layer(i)`` submits those up to ``i + submit_ahead`` and the compute queued after it sees layer
+    ``i``; a backup of the same device pages queued while units are still unsubmitted submits them
+    first and reads what the load wrote; a whole load submits everything at once."""
+    layout = KVLayout(16, 2, 64, "bfloat16", 16)  # 4 KiB pieces
+    n = 96
+    dev, host = _pools(layout, 2 * n, 3 * n, host_layout, seed=70, pin=True, block_pages=16)
+    # page-first: groups of one layer (4 parts each); block-first: one unit per layer
+    eng = create_engine("cuda", dev, host, io_backend="staged", staging_bytes=8 << 20, submit_ahead=2,
+                        ce_min_copy_bytes=8 << 10)
+    try:
+        rng = np.random.default_rng(71)
+        d = rng.permutation(2 * n)[:n].astype(np.int64)
+        h = np.arange(n, 2 * n, dtype=np.int64)  # consecutive host pages: block-first stages them lc-major
+        every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
+        want = _expect_load(_snapshot(dev), host, d, h, every)
+        torch.cuda._sleep(SLEEP_CYCLES)  # compute is busy: nothing below has run when it is checked
+        handle = eng.load(h, d)
+        total = handle.unsubmitted_steps  # type: ignore[attr-defined]
+        assert total > 0, "the load deferred nothing"
+        dd = torch.from_numpy(d).cuda()
+        snaps = []
+        left = []
+        for layer in range(layout.num_layers):
+            handle.wait_layer(layer)
+            left.append(handle.unsubmitted_steps)  # type: ignore[attr-defined]
+            snaps.append([t.index_select(0, dd).view(torch.uint8) for t in dev.kv[layer]])
+        assert left == sorted(left, reverse=True) and left[0] > 0 and left[-1] == 0, left
+        torch.cuda.synchronize()
+        for layer in range(layout.num_layers):
+            for c in range(2):
+                assert torch.equal(snaps[layer][c].cpu(), want[layer][c][torch.from_numpy(d)]), (layer, c)
+
+        # a backup of the pages a partly submitted load writes: the load is submitted whole first
+        h2 = np.arange(0, n, dtype=np.int64)
+        want2 = _expect_load(_snapshot(dev), host, d, h2, every)
+        torch.cuda._sleep(SLEEP_CYCLES)
+        handle = eng.load(h2, d)
+        assert handle.unsubmitted_steps > 0  # type: ignore[attr-defined]
+        hb = np.arange(2 * n, 3 * n, dtype=np.int64)
+        back = eng.backup(d, hb)
+        assert handle.unsubmitted_steps == 0  # type: ignore[attr-defined]
+        back.wait()
+        assert handle.done()
+        for layer in range(layout.num_layers):
+            for c in range(2):
+                stored = host.read_pieces(layer, c, torch.from_numpy(hb)).view(torch.uint8)
+                assert torch.equal(stored, want2[layer][c][torch.from_numpy(d)]), (layer, c)
+
+        # synchronize() submits what is deferred; done() does too; a whole load defers nothing
+        torch.cuda._sleep(SLEEP_CYCLES)
+        a = eng.load(h, d)
+        b = eng.load(h2, d, layer_wise=False)
+        assert a.unsubmitted_steps == 0 and b.unsubmitted_steps == 0  # type: ignore[attr-defined]
+        torch.cuda._sleep(SLEEP_CYCLES)
+        c = eng.load(h, d)
+        assert c.unsubmitted_steps > 0 and not c.done()  # type: ignore[attr-defined]
+        assert c.unsubmitted_steps == 0  # type: ignore[attr-defined]
+        eng.load(h2, d)
+        eng.synchronize()
+        got = _snapshot(dev)
+        for layer in range(layout.num_layers):
+            for k in range(2):
+                assert torch.equal(got[layer][k], want2[layer][k]), (layer, k)
+    finally:
+        eng.close()
+
+
+def test_deferred_units_submitted_from_a_fresh_thread() -> None:
+    """The first staged load of an engine, its later units submitted by ``wait_layer`` calls from a
+    thread that has not touched CUDA, runs (a deadline guards against a hang) and lands right."""
+    import threading
+
+    layout = KVLayout(8, 2, 64, "bfloat16", 16)
+    n = 64
+    dev, host = _pools(layout, n, n, "page_first", seed=72, pin=True)
+    eng = create_engine("cuda", dev, host, io_backend="staged", staging_bytes=8 << 20, submit_ahead=0,
+                        ce_min_copy_bytes=8 << 10)
+    try:
+        d, h = _indices(n, n, n, seed=73)
+        every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
+        want = _expect_load(_snapshot(dev), host, d, h, every)
+        handle = eng.load(h, d)
+        assert handle.unsubmitted_steps > 0  # type: ignore[attr-defined]
+        finished = threading.Event()
+
+        def consume() -> None:
+            for layer in range(layout.num_layers):
+                handle.wait_layer(layer)
+            torch.cuda.current_stream().synchronize()
+            finished.set()
+
+        t = threading.Thread(target=consume, daemon=True)
+        t.start()
+        assert finished.wait(30), "the deferred units never ran"
+        handle.wait()
+        got = _snapshot(dev)
+        for layer in range(layout.num_layers):
+            for c in range(2):
+                assert torch.equal(got[layer][c], want[layer][c]), (layer, c)
+    finally:
+        eng.close()
