@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import platform
 import sys
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.transfer.copy_engine import MAX_BATCH, CudaRuntime, _MemcpyAttributes
+from hicache.transfer.copy_engine import CudaRuntime, _MemcpyAttributes, batch_bounds
 
 GATE_CYCLES = 300_000_000  # ~150 ms of torch.cuda._sleep: longer than any submission measured here
 HOST_PAGE = 256 << 10  # host page stride: 32 layers x K, V x 4 KiB, as a page-first L2 pool
@@ -81,8 +82,8 @@ class Bench:
     def submit(self, dst: np.ndarray, src: np.ndarray, size: np.ndarray, stream: int,
                attrs: _MemcpyAttributes) -> None:
         idx = (ctypes.c_size_t * 1)(0)
-        for lo in range(0, len(size), MAX_BATCH):
-            hi = min(lo + MAX_BATCH, len(size))
+        bounds = batch_bounds(size)
+        for lo, hi in itertools.pairwise(bounds):
             d, s, z = (np.ascontiguousarray(x[lo:hi]) for x in (dst, src, size))
             err = self.batch(d.ctypes.data, s.ctypes.data, z.ctypes.data, hi - lo, ctypes.addressof(attrs),
                              ctypes.addressof(idx), 1, stream)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import itertools
 import os
 import sys
 import threading
@@ -24,7 +25,33 @@ import numpy as np
 CUDA_MEMCPY_DEFAULT = 4
 SRC_ACCESS_ORDER_STREAM = 1
 FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
-MAX_BATCH = 8192
+# One cudaMemcpyBatchAsync call carries at most MAX_BATCH copies and MAX_BATCH_BYTES bytes (a single copy
+# larger than that goes alone). Larger batches of small copies could hang the stream for good: on an H200
+# (driver 580, CUDA 13.0 runtime), in a fresh process, one batch of 512 or 600 copies of 16 KiB never
+# completed (and a 600 MB staged load whose first chunk was such a batch never ran), while 256-400 of
+# them, 600 of 4 KiB and 600 of 64 KiB did, and a process that had run other copies first often did not
+# hang. See :func:`batch_bounds`; ``tests/cuda`` runs that first batch in a fresh process.
+MAX_BATCH = 256
+MAX_BATCH_BYTES = 4 << 20
+
+
+def batch_bounds(size: np.ndarray, max_copies: int = MAX_BATCH, max_bytes: int = MAX_BATCH_BYTES) -> list[int]:
+    """Where a plan of copies of ``size`` bytes is cut into batches: ``[0, ..., n]``, consecutive bounds
+    enclosing at most ``max_copies`` copies and ``max_bytes`` bytes (a larger copy alone), in order."""
+    n = len(size)
+    bounds = [0]
+    if n == 0:
+        return bounds
+    end = np.cumsum(np.asarray(size, dtype=np.int64))
+    lo = 0
+    while lo < n:
+        base = int(end[lo - 1]) if lo else 0
+        # copies [lo, hi) whose running total stays within max_bytes; at least one
+        hi = int(np.searchsorted(end, base + max_bytes, side="right"))
+        hi = min(max(hi, lo + 1), lo + max_copies, n)
+        bounds.append(hi)
+        lo = hi
+    return bounds
 
 
 class CopyPlan(NamedTuple):
@@ -175,8 +202,8 @@ class CudaRuntime:
                 self.memcpy_async(dst, src, size, stream)
             return plan.n_copies
         calls = 0
-        for lo in range(0, plan.n_copies, MAX_BATCH):
-            hi = min(lo + MAX_BATCH, plan.n_copies)
+        bounds = batch_bounds(plan.size)
+        for lo, hi in itertools.pairwise(bounds):
             dst = np.ascontiguousarray(plan.dst[lo:hi])
             src = np.ascontiguousarray(plan.src[lo:hi])
             size = np.ascontiguousarray(plan.size[lo:hi])

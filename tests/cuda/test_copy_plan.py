@@ -1,6 +1,7 @@
 """Copy-engine planning (pure NumPy, runs anywhere): executing a plan with memmove equals the reference."""
 
 import ctypes
+import itertools
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import torch
 from hicache.layout import KVLayout
 from hicache.pool import DevicePool, HostPool
 from hicache.transfer import create_engine
-from hicache.transfer.copy_engine import plan_copies
+from hicache.transfer.copy_engine import MAX_BATCH, MAX_BATCH_BYTES, batch_bounds, plan_copies
 
 
 def _run(plan) -> None:
@@ -107,3 +108,19 @@ def test_cuda_engine_rejects_cpu_pool() -> None:
     layout = KVLayout(1, 1, 8)
     with pytest.raises(ValueError, match="cuda"):
         create_engine("cuda", DevicePool(layout, 2, "cpu"), HostPool(layout, 2, pin_memory=False), io_backend="kernel")
+
+
+@pytest.mark.parametrize("sizes", [[], [4096] * 600, [16384] * 600, [65536] * 600, [8 << 20, 4096, 4096, 5 << 20],
+                                   list(np.random.default_rng(3).integers(1, 1 << 20, 2000))])
+def test_batches_bound_copies_and_bytes(sizes: list[int]) -> None:
+    """Batches cover every copy once, in order; none exceeds MAX_BATCH copies or MAX_BATCH_BYTES bytes
+    unless it is one copy; and a batch stops only where the next copy would break a bound."""
+    size = np.asarray(sizes, dtype=np.uint64)
+    b = batch_bounds(size)
+    assert b[0] == 0 and b[-1] == len(size) and all(x < y for x, y in itertools.pairwise(b))
+    for lo, hi in itertools.pairwise(b):
+        total = int(size[lo:hi].sum())
+        assert hi - lo <= MAX_BATCH
+        assert total <= MAX_BATCH_BYTES or hi - lo == 1
+        if hi < len(size):  # maximal: one more copy would break a bound
+            assert hi - lo == MAX_BATCH or total + int(size[hi]) > MAX_BATCH_BYTES

@@ -1171,3 +1171,57 @@ def test_deferred_units_submitted_from_a_fresh_thread() -> None:
                 assert torch.equal(got[layer][c], want[layer][c]), (layer, c)
     finally:
         eng.close()
+
+
+_FRESH_PROCESS = r"""
+import sys, time
+import numpy as np, torch
+from hicache.layout import KVLayout
+from hicache.pool import DevicePool, HostPool
+from hicache.transfer import create_engine
+from hicache.transfer.copy_engine import CopyPlan, CudaRuntime
+
+def landed(ev, what):
+    t = time.monotonic()
+    while not ev.query():
+        if time.monotonic() - t > 20:
+            print(what, "never completed", flush=True)
+            sys.exit(1)
+        time.sleep(0.001)
+
+# the first copies of the process: 600 scattered 16 KiB pieces, in as few runtime calls as the engine makes
+host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+dev = torch.empty(16 << 20, dtype=torch.uint8, device="cuda")
+rng = np.random.default_rng(0)
+src = np.sort(host.data_ptr() + rng.permutation((1 << 30) >> 14)[:600].astype(np.uint64) * np.uint64(16384))
+dst = dev.data_ptr() + np.arange(600, dtype=np.uint64) * np.uint64(16384)
+stream = torch.cuda.Stream()
+plan = CopyPlan(dst.astype(np.uint64), src.astype(np.uint64), np.full(600, 16384, dtype=np.uint64))
+CudaRuntime.get().run(plan, stream.cuda_stream)
+ev = torch.cuda.Event(); ev.record(stream)
+landed(ev, "a batch of 600 copies of 16 KiB")
+del host, dev
+
+# a 600 MB layer-wise staged load of 4 KiB pieces (32 layers, page-first L2), whose chunks are such batches
+layout = KVLayout(32, 2, 64, "bfloat16", 16)
+n = 2400
+dp, hp = DevicePool(layout, n, "cuda"), HostPool(layout, n, "page_first")
+eng = create_engine("cuda", dp, hp, io_backend="staged")
+d = rng.permutation(n).astype(np.int64)
+h = rng.permutation(n).astype(np.int64)
+handle = eng.load(h, d)
+handle.submit()
+landed(handle.events[-1], "a 600 MB staged load")
+eng.close()
+print("ok", flush=True)
+"""
+
+
+def test_the_first_large_batches_of_a_fresh_process_complete() -> None:
+    """In a fresh process, the first batch of many small copies, and a 600 MB staged load made of such
+    batches, complete (one runtime batch of 512+ copies of 16 KiB could hang its stream for good)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr[-2000:]
