@@ -82,7 +82,7 @@ class Bench:
     def submit(self, dst: np.ndarray, src: np.ndarray, size: np.ndarray, stream: int,
                attrs: _MemcpyAttributes) -> None:
         idx = (ctypes.c_size_t * 1)(0)
-        bounds = batch_bounds(size)
+        bounds = batch_bounds(len(size))
         for lo, hi in itertools.pairwise(bounds):
             d, s, z = (np.ascontiguousarray(x[lo:hi]) for x in (dst, src, size))
             err = self.batch(d.ctypes.data, s.ctypes.data, z.ctypes.data, hi - lo, ctypes.addressof(attrs),

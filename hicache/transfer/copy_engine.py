@@ -25,33 +25,19 @@ import numpy as np
 CUDA_MEMCPY_DEFAULT = 4
 SRC_ACCESS_ORDER_STREAM = 1
 FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
-# One cudaMemcpyBatchAsync call carries at most MAX_BATCH copies and MAX_BATCH_BYTES bytes (a single copy
-# larger than that goes alone). Larger batches of small copies could hang the stream for good: on an H200
-# (driver 580, CUDA 13.0 runtime), in a fresh process, one batch of 512 or 600 copies of 16 KiB never
-# completed (and a 600 MB staged load whose first chunk was such a batch never ran), while 256-400 of
-# them, 600 of 4 KiB and 600 of 64 KiB did, and a process that had run other copies first often did not
-# hang. See :func:`batch_bounds`; ``tests/cuda`` runs that first batch in a fresh process.
+# One cudaMemcpyBatchAsync call carries at most MAX_BATCH copies. Larger batches of small copies could
+# hang their stream for good: on an H200 (driver 580, CUDA 13.0 runtime), in a fresh process, one batch of
+# 512 or 600 copies of 16 KiB never completed (nor, for that, a 600 MB staged load whose first chunk was such
+# a batch), while 256-400 of them, 600 of 4 KiB and 600 of 64 KiB did, and a process that had run other
+# copies first often did not hang. Capped at 256, batches of 600 and 2,000 copies of 16 KiB and 8,192 of
+# 4 KiB ran; ``tests/cuda`` runs such first batches in a fresh process. Capping bytes as well (4 MiB) cost
+# staged 4 KiB loads 4% of the link (more calls for their 64 KiB copies) and was dropped.
 MAX_BATCH = 256
-MAX_BATCH_BYTES = 4 << 20
 
 
-def batch_bounds(size: np.ndarray, max_copies: int = MAX_BATCH, max_bytes: int = MAX_BATCH_BYTES) -> list[int]:
-    """Where a plan of copies of ``size`` bytes is cut into batches: ``[0, ..., n]``, consecutive bounds
-    enclosing at most ``max_copies`` copies and ``max_bytes`` bytes (a larger copy alone), in order."""
-    n = len(size)
-    bounds = [0]
-    if n == 0:
-        return bounds
-    end = np.cumsum(np.asarray(size, dtype=np.int64))
-    lo = 0
-    while lo < n:
-        base = int(end[lo - 1]) if lo else 0
-        # copies [lo, hi) whose running total stays within max_bytes; at least one
-        hi = int(np.searchsorted(end, base + max_bytes, side="right"))
-        hi = min(max(hi, lo + 1), lo + max_copies, n)
-        bounds.append(hi)
-        lo = hi
-    return bounds
+def batch_bounds(n: int, max_copies: int = MAX_BATCH) -> list[int]:
+    """Where a plan of ``n`` copies is cut into runtime batches of at most ``max_copies``: ``[0, ..., n]``."""
+    return [*range(0, n, max_copies), n] if n else [0]
 
 
 class CopyPlan(NamedTuple):
@@ -202,7 +188,7 @@ class CudaRuntime:
                 self.memcpy_async(dst, src, size, stream)
             return plan.n_copies
         calls = 0
-        bounds = batch_bounds(plan.size)
+        bounds = batch_bounds(plan.n_copies)
         for lo, hi in itertools.pairwise(bounds):
             dst = np.ascontiguousarray(plan.dst[lo:hi])
             src = np.ascontiguousarray(plan.src[lo:hi])
