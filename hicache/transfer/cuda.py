@@ -89,6 +89,14 @@ I/O backends (``io_backend``):
   Beside long compute kernels its rates vary less (H200, 4 KiB pieces beside a bf16 8192^3 GEMM: loads
   0.87-0.92 of a contiguous copy, against 0.77-0.94 per chunk), but the SMs it holds slow compute that
   runs beside it (32-layer overlap: 1.21-1.30x against 1.16-1.19x), so it is not the default.
+* Deferred submission (``submit_ahead``, default ``DEFAULT_SUBMIT_AHEAD``): a layer-wise staged load
+  submits in ``load`` only the units up to layer ``submit_ahead``; ``wait_layer(i)`` submits those up to
+  layer ``i + submit_ahead`` before it makes the stream wait, ``wait``, ``done`` and
+  :meth:`CudaHandle.submit` the rest; any new transfer, :meth:`CudaTransferEngine.synchronize` and
+  ``close`` first submit everything pending, in submission order (:mod:`hicache.transfer.deferred`). The
+  host's submission (milliseconds for many small pieces) then overlaps the copies and the compute instead
+  of delaying layer 0. A caller that waits only through a device-wide synchronisation calls ``submit()``
+  first.
 * ``auto``: per transfer, the copy engine when its copies average at least ``ce_min_copy_bytes``
   (default 64 KiB: measured on H200/PCIe Gen5, the copy engine then runs at the link ceiling with
   no SM use, and its per-copy submission cost stays below the copy time); else the staged path where

@@ -114,6 +114,10 @@ def staging_slots(staging_bytes: int, page_bytes: int, to_host: bool,
 # DEFAULT_SUBMIT_AHEAD; each ``wait_layer(i)`` then submits those up to layer i + DEFAULT_SUBMIT_AHEAD
 # (hicache.transfer.deferred). Submitting a 600 MB load of 4 KiB pieces takes the host about 9 ms, during
 # which a loop that calls ``load`` and then computes could not queue layer 0 (H200, block-first L2,
-# 32-layer overlap: 1.38 / 1.82 / 1.45x of max(load, compute) submitted whole). A few layers ahead keep
-# the DMA queued beyond the layer compute waits for.
+# 32-layer overlap: 1.38 / 1.82 / 1.45x of max(load, compute) submitted whole). Deferred, the same loop,
+# nothing holding the compute stream, ended at 1.25 / 1.38 / 1.21x (block-first 4 KiB), 1.24 / 1.71 /
+# 1.30x and 1.08 / 1.13 / 1.17x (page-first 4 and 16 KiB), against 1.51 / 2.02 / 1.55, 1.40 / 1.80 / 1.57
+# and 1.30 / 1.70 / 1.59x submitted whole in that run; 0 and 1 layers ahead measured alike within the
+# noise (docs/transfers.md). A few layers ahead keep the DMA queued beyond the layer compute waits for
+# where the caller's waits come late.
 DEFAULT_SUBMIT_AHEAD = 4
