@@ -6,7 +6,9 @@ Contract:
   for every layer and returns a :class:`TransferHandle` right away. Layers complete in order;
   ``wait_layer(i)`` returns once layer ``i`` is readable by the caller's compute (on CUDA: the compute
   stream waits on layer ``i``'s event, no host synchronisation), ``wait()`` once all are, and ``done()``
-  polls without blocking.
+  polls without blocking. An engine may submit a layer-wise load's later layers from these calls rather
+  than inside ``load`` (the CUDA engine's ``submit_ahead``): a caller observes a load only through its
+  handle, or the engine's ``synchronize``/``close``, never through a device-wide synchronisation alone.
 * ``backup(device_idx, host_idx)`` copies device pages to host pages and returns a handle; it never
   reads a page before the writes the caller issued before calling it have finished (on CUDA it waits on
   an event recorded on the compute stream).
