@@ -3,7 +3,8 @@ copy engine itself?
 
 Host-to-device copies of one run size (4 to 64 KiB, ``--runs``) from random pages of a 2 GiB pinned
 buffer into device memory, ``--total-mib`` per sample, issued with ``cudaMemcpyBatchAsync`` (batches of
-8,192) on 1, 2 or 4 streams, from one thread or one thread per stream. Each case reports:
+at most ``copy_engine.MAX_BATCH`` copies, as the engine cuts them) on 1, 2 or 4 streams, from one thread
+or one thread per stream. Each case reports:
 
 * ``host_us_per_copy``: wall time of the submission calls per copy;
 * ``gbps`` (and its ratio to one contiguous pinned copy measured in the same run, the baseline):
