@@ -829,7 +829,7 @@ class CudaTransferEngine(TransferEngine):
 
     def _staged_load(self, plans: _StagePlans, schedule: tuple[LoadSchedule, list[tuple[int, int]]],
                      stream: torch.cuda.Stream, st: Stager, idx_ptr: int, head: int = 0,
-                     lanes: int | None = None, ahead: int | None = None,
+                     lanes: int | None = None, ahead: int = 0,
                      ) -> tuple[list[torch.cuda.Event], _Deferral | None]:
         """The load half of :meth:`_staged`: groups of layers, staggered over parts of the page list
         (:func:`~hicache.transfer.staged.stagger_schedule`), scattered on the stager's first ``lanes``
@@ -846,10 +846,10 @@ class CudaTransferEngine(TransferEngine):
         them from host memory, one launch and one event per layer, on the head stream, before the DMA of
         the others (:meth:`_head_layers`).
 
-        Units are submitted here only up to those that layer ``ahead`` needs (``None``: all of them); the
-        others are submitted in order by the handle's later calls (:class:`_Deferral`,
-        :mod:`hicache.transfer.deferred`). Their events exist from the start and are recorded as their
-        units are submitted.
+        Units are submitted here only up to those that layer ``ahead`` needs (all of them when ``ahead`` is
+        the last layer or beyond); the others are submitted in order by the handle's later calls
+        (:class:`_Deferral`, :mod:`hicache.transfer.deferred`). Their events exist from the start and are
+        recorded as their units are submitted.
         """
         assert self._rt is not None
         rt = self._rt
@@ -926,10 +926,10 @@ class CudaTransferEngine(TransferEngine):
         need = [0] * head + [sched.ready[layer] + 1 for layer in range(L - head)]
         pending = Pending(steps(), len(units))
         self._deferred.add(pending)  # every earlier step ran (``_submit``): this runs only its own
-        self._deferred.advance(pending, need[L - 1] if ahead is None else need[min(ahead, L - 1)])
+        self._deferred.advance(pending, need[min(ahead, L - 1)])
         if pending.complete:
             return events, None
-        return events, _Deferral(self, pending, need, L if ahead is None else ahead)
+        return events, _Deferral(self, pending, need, ahead)
 
     def _advance(self, pending: Pending, steps: int) -> None:
         """Submit deferred steps: every earlier transfer's, then ``pending``'s until ``steps`` of it ran
