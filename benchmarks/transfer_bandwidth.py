@@ -56,13 +56,14 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 os.environ.setdefault("CUDA_SCALE_LAUNCH_QUEUES", "4x")
 
 import argparse
+import contextlib
 import json
 import math
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -439,6 +440,21 @@ def gemm_time(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
     return x.elapsed_time(y) / 1e3
 
 
+@contextlib.contextmanager
+def sm_carveout(n: int) -> Iterator[None]:
+    """cuBLAS matmuls leave ``n`` SMs free while inside (PyTorch's SM carveout; 0: untouched): a copy
+    kernel waiting beside a GEMM then finds SMs without waiting for its persistent kernels to end."""
+    if not n:
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(n)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+
+
 class Compute(NamedTuple):
     """An attention-like load for the slowdown sections: ``time(k)`` runs ``k`` steps, returns seconds."""
 
@@ -522,7 +538,8 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
     cycles_per_s = sleep_rate()
     end_stream = torch.cuda.Stream()
 
-    def after_gap(submit: Callable[[torch.cuda.Event], Burst] | None, gap: float) -> tuple[float, Burst | None, bool]:
+    def after_gap(submit: Callable[[torch.cuda.Event], Burst] | None, gap: float,
+                  carve: int = 0) -> tuple[float, Burst | None, bool]:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         torch.cuda._sleep(int((gap + HOLD_MARGIN_S) * cycles_per_s))  # the compute stream idles the gap
@@ -531,13 +548,17 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
         burst = submit(start) if submit is not None else None
         late = time.perf_counter() - t0 > gap
         time.sleep(max(0.0, t0 + gap - time.perf_counter()))
-        return compute.time(k), burst, late
+        with sm_carveout(carve):
+            return compute.time(k), burst, late
 
     for direction, backend, kw in configs:
         kw = dict(kw)
         kib = kw.pop("piece_kib", 4 if backend == "staged" else 64)  # staged: auto's choice for small pieces
         layer_wise = kw.pop("layer_wise", True)  # False: whole loads, as a node's Prefetch makes
         join = kw.pop("join_loads", 0)  # the load stream waits for each load's end (see joined_loads)
+        # SMs the compute leaves free beside the transfers (cuBLAS only); its alone samples keep them all, so
+        # the slowdown includes what the carveout costs the compute
+        carve = int(kw.pop("sm_carveout", 0))
         if kib not in setups:
             setups[kib] = Setup(layout_for_piece(kib << 10, args.layers), args.total_mib << 20, seed=90 + kib)
         s = setups[kib]
@@ -572,7 +593,7 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
         late_pairs = 0
         for _ in range(args.reps):
             t_alone, _, _ = after_gap(None, gap)
-            t_conc, burst, late = after_gap(many, gap)
+            t_conc, burst, late = after_gap(many, gap, carve)
             late_pairs += late
             assert burst is not None
             burst.end.synchronize()
@@ -582,14 +603,17 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
             alone_ms.append(t_alone * 1e3)
             gbps.append(m * s.bytes / (burst.start.elapsed_time(burst.end) / 1e3) / GB)
         eng.close()
+        carve_alone = 0.0
+        if carve:
+            carve_alone = median([after_gap(None, gap, carve)[0] for _ in range(args.reps)])
         blocks = 0
         if isinstance(eng, CudaTransferEngine):
             copier = (eng.stage_kernel if backend == "staged" else eng.kernel if direction == "h2d"
                       else eng.backup_kernel)
             blocks = kw.get("blocks", copier.blocks)
         if backend == "pinned":
-            under[direction] = median(gbps)
-        base = under.get(direction, ceil[direction])
+            under[f"{direction}{carve}"] = median(gbps)
+        base = under.get(f"{direction}{carve}", under.get(f"{direction}0", ceil[direction]))
         row: dict[str, Any] = {"compute": compute.name, "direction": direction, "backend": backend,
                                "blocks": blocks, "piece_bytes": s.layout.bytes_per_layer_piece,
                                "compute_alone_ms": median(alone_ms), "compute_slowdown": median(slow),
@@ -601,7 +625,9 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
                                "ratio_to_pinned_under_gemm": median(gbps) / base,
                                "host_submit_ms": t_submit * 1e3, "device_ms": t_alone_transfer * 1e3,
                                "late_pairs": late_pairs, "layer_wise": layer_wise, "options": kw,
-                               "join_loads": bool(join)}
+                               "join_loads": bool(join), "sm_carveout": carve,
+                               "compute_carveout_alone_ms": carve_alone * 1e3,
+                               "carveout_slowdown": carve_alone / median(alone_ms) - 1 if carve else 0.0}
         rows.append(row)
         grid = {"kernel": f"{blocks} blocks", "staged": f"DMA+{blocks}", "pinned": "one copy"}.get(backend, "DMA")
         print(f"{compute.name} next to {direction} {backend:<11} ({grid:>8}, {row['piece_bytes'] >> 10:>2} KiB): "
@@ -612,6 +638,7 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
               f"{row['host_submit_ms']:.1f} ms, device {row['device_ms']:.1f} ms)"
               + (f" [{late_pairs} of {args.reps} submitted late]" if late_pairs else "")
               + ("" if layer_wise else " whole loads") + (" join_loads" if join else "")
+              + (f" sm_carveout={carve} (alone with it {100 * row['carveout_slowdown']:+.1f}%)" if carve else "")
               + "".join(f" {k}={v}" for k, v in kw.items() if k != "blocks"), flush=True)
     return rows
 
@@ -696,6 +723,8 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
     s = Setup(layout, int(per_layer * layers), seed=5)
     rows = []
     for backend, kw in configs:
+        kw = dict(kw)
+        carve = int(kw.pop("sm_carveout", 0))  # SMs the per-layer GEMMs leave free (not while timed alone)
         eng = s.engine(io_backend=backend, **kw)
         signal = {"kernel": eng.layer_signal, "staged": "groups"}.get(backend, "events")
         if backend == "staged":  # parts whose layer groups are staggered / the copy size groups aim for
@@ -716,23 +745,24 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
                 torch.cuda.synchronize()
                 torch.cuda._sleep(OVERLAP_HOLD)
                 x, y = ev(), ev()
-                x.record()
-                t0 = time.perf_counter()
-                h = eng.load(s.h, s.d)
-                submit.append(time.perf_counter() - t0)
                 starts, ends = [], []
-                for layer in range(layers):
-                    h.wait_layer(layer)
-                    starts.append(ev())
-                    starts[-1].record()
-                    for _ in range(k):
-                        torch.mm(a, b)
-                    ends.append(ev())
-                    ends[-1].record()
-                y.record()
-                y.synchronize()
-                over.append(x.elapsed_time(y) / 1e3)
-                unheld.append(_overlap_unheld(eng, s, a, b, k, layers))
+                with sm_carveout(carve):
+                    x.record()
+                    t0 = time.perf_counter()
+                    h = eng.load(s.h, s.d)
+                    submit.append(time.perf_counter() - t0)
+                    for layer in range(layers):
+                        h.wait_layer(layer)
+                        starts.append(ev())
+                        starts[-1].record()
+                        for _ in range(k):
+                            torch.mm(a, b)
+                        ends.append(ev())
+                        ends[-1].record()
+                    y.record()
+                    y.synchronize()
+                    over.append(x.elapsed_time(y) / 1e3)
+                    unheld.append(_overlap_unheld(eng, s, a, b, k, layers))
                 first.append(x.elapsed_time(starts[0]) / 1e3)
                 stall.append(sum(ends[i - 1].elapsed_time(starts[i]) for i in range(1, layers)) / 1e3)
                 beside.append(sum(starts[i].elapsed_time(ends[i]) for i in range(layers)) / 1e3)
@@ -741,7 +771,7 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
             ratio = t_over / max(t_load, t_comp)
             t_unheld = median(unheld)
             rows.append({"backend": backend, "layer_signal": signal, "layers": layers, "piece_bytes": piece,
-                         "options": kw,
+                         "options": kw, "sm_carveout": carve,
                          "load_ms": t_load * 1e3,
                          "compute_ms": t_comp * 1e3, "overlapped_ms": t_over * 1e3, "ratio_vs_max": ratio,
                          "first_layer_ms": t_first * 1e3, "stall_ms": t_stall * 1e3,
@@ -756,7 +786,8 @@ def _overlap(args: argparse.Namespace, ceil: dict[str, float], piece: int,
                   f"{t_beside * 1e3:6.2f} ms, waits after layer 0 {t_stall * 1e3:5.2f} ms; host submits the load "
                   f"in {median(submit) * 1e3:5.1f} ms; not held: {t_unheld * 1e3:6.2f} ms = "
                   f"{t_unheld / max(t_load, t_comp):.3f} x max)"
-                  + "".join(f" {k}={v}" for k, v in kw.items() if k not in ("stagger_ways", "ce_min_copy_bytes")),
+                  + "".join(f" {k}={v}" for k, v in kw.items() if k not in ("stagger_ways", "ce_min_copy_bytes"))
+                  + (f" sm_carveout={carve}" if carve else ""),
                   flush=True)
         eng.close()
     return rows
