@@ -627,7 +627,7 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
                                "late_pairs": late_pairs, "layer_wise": layer_wise, "options": kw,
                                "join_loads": bool(join), "sm_carveout": carve,
                                "compute_carveout_alone_ms": carve_alone * 1e3,
-                               "carveout_slowdown": carve_alone / median(alone_ms) - 1 if carve else 0.0}
+                               "carveout_slowdown": carve_alone * 1e3 / median(alone_ms) - 1 if carve else 0.0}
         rows.append(row)
         grid = {"kernel": f"{blocks} blocks", "staged": f"DMA+{blocks}", "pinned": "one copy"}.get(backend, "DMA")
         print(f"{compute.name} next to {direction} {backend:<11} ({grid:>8}, {row['piece_bytes'] >> 10:>2} KiB): "

@@ -159,6 +159,7 @@ class CudaRuntime:
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = ctypes.c_size_t(0)
         self.batch_error: str | None = None  # set when the batched call failed and per-copy calls took over
+        self.max_batch = MAX_BATCH  # most copies per batched call
 
     @classmethod
     def get(cls) -> CudaRuntime:
@@ -188,7 +189,7 @@ class CudaRuntime:
                 self.memcpy_async(dst, src, size, stream)
             return plan.n_copies
         calls = 0
-        bounds = batch_bounds(plan.n_copies)
+        bounds = batch_bounds(plan.n_copies, self.max_batch)
         for lo, hi in itertools.pairwise(bounds):
             dst = np.ascontiguousarray(plan.dst[lo:hi])
             src = np.ascontiguousarray(plan.src[lo:hi])
