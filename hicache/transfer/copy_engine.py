@@ -127,7 +127,12 @@ def _load_cudart() -> ctypes.CDLL:
 
 
 class CudaRuntime:
-    """The few CUDA runtime calls the copy-engine path needs, through ctypes."""
+    """The few CUDA runtime calls the copy-engine path needs, through ctypes.
+
+    One per process (:meth:`get`). :meth:`run` cuts a plan into batched calls of at most ``max_batch``
+    copies (``MAX_BATCH``; a measurement may set another size on the instance, below 512: see
+    ``MAX_BATCH`` for why larger batches are unsafe).
+    """
 
     _instance: CudaRuntime | None = None
     _lock = threading.Lock()
@@ -159,7 +164,7 @@ class CudaRuntime:
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = ctypes.c_size_t(0)
         self.batch_error: str | None = None  # set when the batched call failed and per-copy calls took over
-        self.max_batch = MAX_BATCH  # most copies per batched call
+        self.max_batch = MAX_BATCH  # most copies per batched call (see the class docstring)
 
     @classmethod
     def get(cls) -> CudaRuntime:
