@@ -815,7 +815,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compute-configs", type=parse_config, nargs="*", default=[],
                    help="sections gemm, sdpa: instead of the fixed rows, the pinned copies and these rows, each "
                         "DIRECTION:PATH[:key=value,...] (h2d|d2h, pinned|kernel|copy_engine|staged; options "
-                        "include piece_kib and layer_wise=0)")
+                        "include piece_kib, layer_wise=0 and sm_carveout=N: the GEMMs leave N SMs free, slowdown still "
+                        "against the GEMM on every SM)")
     p.add_argument("--blocks-sweep", type=int, nargs="+", default=[4, 1, 2, 8])
     p.add_argument("--loop-cap", type=int, default=8192, help="most copies timed in the per-page loop")
     p.add_argument("--host-layout", default="page_first", choices=["page_first", "layer_first", "block_first"],
