@@ -106,14 +106,20 @@ Host memory: the host pool's buffer is used in place. When it is not already pin
 ``HostPool(..., pin_memory=False)`` of tens of GB, which avoids the caching pinned allocator's
 power-of-two rounding) the engine page-locks it with ``cudaHostRegister`` -- no second copy -- and
 unregisters it in :meth:`CudaTransferEngine.close`. Close the engine before ``host_pool.release()``.
+
+Where the engine lives: this module holds the engine, its options and the kernel and copy-engine
+paths; :mod:`~hicache.transfer.cuda_staged_path` submits staged transfers and
+:mod:`~hicache.transfer.cuda_resident_path` the resident kernel's (both mixins of the engine);
+:mod:`~hicache.transfer.cuda_handle` has the handles. Below them: :mod:`~hicache.transfer.staged`
+(planning), :mod:`~hicache.transfer.cuda_streams` (slots, lanes, DMA streams),
+:mod:`~hicache.transfer.cuda_kernels` (the CUDA sources through CuPy),
+:mod:`~hicache.transfer.copy_engine` (batched copies) and :mod:`~hicache.transfer.cuda_tuning` (defaults).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -124,19 +130,19 @@ from hicache.pool import DevicePool, HostPool
 from hicache.transfer.base import TransferEngine, TransferHandle, register_engine, sorted_unique
 from hicache.transfer.copy_engine import CopyPlan, CudaRuntime, plan_copies
 from hicache.transfer.cuda_driver import StreamWaiter
+from hicache.transfer.cuda_handle import CudaHandle, LayerFlags
 from hicache.transfer.cuda_kernels import (
     DEFAULT_BACKUP_BLOCKS,
     DEFAULT_LOAD_BLOCKS,
     DEFAULT_RESIDENT_BLOCKS,
     DEFAULT_STAGE_BLOCKS,
     DEFAULT_THREADS,
-    STAGED_DESC_WORDS,
     CopyGeometry,
     KernelCopier,
 )
+from hicache.transfer.cuda_staged_path import StagedPath
 from hicache.transfer.cuda_streams import DmaStreams, Stager
 from hicache.transfer.cuda_tuning import (
-    BACKUP_LANES,
     DEFAULT_BACKUP_STREAMS,
     DEFAULT_HEAD_BLOCKS,
     DEFAULT_LOAD_HEAD_LAYERS,
@@ -144,124 +150,17 @@ from hicache.transfer.cuda_tuning import (
     DEFAULT_STAGING_BYTES,
     DEFAULT_SUBMIT_AHEAD,
     FAN_MIN_COPIES,
-    SEQ_LIMIT,
-    STAGE_RAMP,
     STAGE_SLOTS,
-    STAGGER_MIN_PAGES,
     WIDE_BACKUP_SLOTS,
     default_stage_lanes,
-    staging_slots,
 )
 from hicache.transfer.deferred import Pending, SubmitQueue
-from hicache.transfer.resident import ResidentChunk, number_chunks
-from hicache.transfer.staged import (
-    LoadSchedule,
-    StagedChunk,
-    StaggerUnit,
-    group_layers,
-    load_schedule,
-    plan_group,
-    plan_group_blocks,
-    plan_group_lc,
-    shift_layers,
-    with_slot_base,
-)
+from hicache.transfer.staged import group_layers
 
 IoBackend = Literal["kernel", "copy_engine", "staged", "auto"]
 IO_BACKENDS = ("kernel", "copy_engine", "staged", "auto")
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
-@dataclass(frozen=True)
-class LayerFlags:
-    """Per-layer readiness published by a single-launch load: ``flags[layer] >= seq`` once it landed."""
-
-    waiter: StreamWaiter
-    flags_ptr: int  # device address of uint32 flags, one per layer
-    seq: int
-    context: int  # CUcontext to make current on threads that have none
-
-
-class CudaHandle(TransferHandle):
-    """Per-layer readiness of one transfer (CUDA events, or layer flags plus a completion event).
-
-    Keeps the index tensors alive until it completes. A layer-wise staged load may have steps not yet
-    submitted (``pending``, see :mod:`hicache.transfer.deferred`): ``wait_layer(i)`` first submits those
-    up to layer ``i + ahead``, ``wait``, ``done`` and :meth:`submit` all of them.
-    """
-
-    def __init__(self, num_layers: int, num_pages: int, events: list[torch.cuda.Event],
-                 backend: str, device: torch.device, keep: tuple[Any, ...] = (),
-                 flags: LayerFlags | None = None, pending: _Deferral | None = None) -> None:
-        self.num_layers = num_layers
-        self.device = device
-        self.num_pages = num_pages
-        self.events = events  # one per layer, or empty when nothing was copied
-        self.backend = backend
-        self.flags = flags
-        self._keep: tuple[Any, ...] = keep
-        self._pending = pending
-
-    def _submit_through(self, layer: int) -> None:
-        """Submit the steps layer ``layer`` (and ``ahead`` more) needs; raise if one of them failed."""
-        d = self._pending
-        if d is None:
-            return
-        d.advance(layer)
-        if d.pending.complete:
-            self._pending = None
-
-    @property
-    def unsubmitted_steps(self) -> int:
-        """Steps of this transfer the host has not submitted yet (0 once all are queued on the device)."""
-        d = self._pending
-        return 0 if d is None else d.pending.total - d.pending.ran
-
-    def submit(self) -> None:
-        """Submit every step not yet submitted (never waits for the device). Afterwards the transfer is
-        ordered on the engine's streams as if ``load`` had submitted it all: e.g. a device-wide
-        synchronisation then covers it."""
-        self._submit_through(self.num_layers - 1)
-
-    def wait_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"wait_layer: layer {layer} outside [0, {self.num_layers})")
-        self._submit_through(layer)
-        if not self.events or self.events[layer].query():
-            return  # nothing copied, or already landed: no wait needed
-        stream = torch.cuda.current_stream(self.device)
-        f = self.flags
-        if f is not None:
-            f.waiter.wait_geq(stream.cuda_stream, f.flags_ptr + 4 * layer, f.seq, f.context)
-        else:
-            stream.wait_event(self.events[layer])
-
-    def wait(self) -> None:
-        self.submit()
-        if self.events:
-            self.events[-1].synchronize()
-        self._keep = ()
-
-    def done(self) -> bool:
-        self.submit()
-        if not self.events or self.events[-1].query():
-            self._keep = ()
-            return True
-        return False
-
-
-@dataclass
-class _Deferral:
-    """A layer-wise staged load's steps not yet submitted, and which of them each layer needs."""
-
-    engine: CudaTransferEngine
-    pending: Pending
-    steps_for_layer: list[int]  # steps that must have run before layer i is ready (non-decreasing)
-    ahead: int  # layers submitted beyond the one asked for
-
-    def advance(self, layer: int) -> None:
-        want = self.steps_for_layer[min(layer + self.ahead, len(self.steps_for_layer) - 1)]
-        if self.pending.ran < want or self.pending.error is not None:
-            self.engine._advance(self.pending, want)
 
 
 @dataclass
@@ -273,25 +172,8 @@ class _InFlight:
     keep: tuple[Any, ...] = ()  # buffers the device reads until ``event`` (host index arrays, by kernel)
 
 
-def _unit_ramps(sched: LoadSchedule) -> list[tuple[StaggerUnit, int]]:
-    """A staged load's units in order, each with its chunks' ramp down (only the last unit's shrink)."""
-    last = len(sched.units) - 1
-    return [(u, STAGE_RAMP if ui == last else 0) for ui, u in enumerate(sched.units)]
-
-
-@dataclass
-class _StagePlans:
-    """One staged transfer's host keys (host order) and the chunks planned for them, by group shape
-    ``(layers, slot bytes, ramp up, ramp down)``: lc-major chunks planned on first use, block-mirrored
-    ones before the index upload, with where their slot keys sit in the uploaded index array."""
-
-    keys: np.ndarray
-    memo: dict[tuple[int, int, int, int], list[StagedChunk]] = field(default_factory=dict)
-    key_offset: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
-
-
 @register_engine("cuda")
-class CudaTransferEngine(TransferEngine):
+class CudaTransferEngine(StagedPath, TransferEngine):
     name = "cuda"
     sort_by_host = True  # every path walks host memory in address order (see _submit)
 
@@ -472,24 +354,6 @@ class CudaTransferEngine(TransferEngine):
         self._waiter = waiter
         self.layer_signal = "flags"
 
-    def _setup_mem_ops(self) -> None:
-        """Stream memory writes and waits, which the resident staged kernel needs: checked once here."""
-        probe_buf = torch.zeros(1, dtype=torch.int32, device=self.device)
-        try:
-            waiter = StreamWaiter.get()
-            torch.cuda.synchronize(self.device)
-            probe = torch.cuda.Stream(self.device)
-            waiter.write(probe.cuda_stream, probe_buf.data_ptr(), 3, 0)
-            waiter.wait_geq(probe.cuda_stream, probe_buf.data_ptr(), 3, 0)
-            probe.synchronize()
-            context = waiter.current_context()
-        except (OSError, RuntimeError) as e:
-            raise ValueError(f"staged_kernel='resident': stream memory operations unavailable: {e}") from e
-        if int(probe_buf.item()) != 3:
-            raise ValueError("staged_kernel='resident': a stream memory write did not land")
-        self._mem_ops = waiter
-        self._mem_context = context
-
     def _next_seq(self) -> int:
         self._seq += 1
         if self._seq >= 1 << 31:  # wrap: start over from zeroed flags once every queued wait has passed
@@ -661,276 +525,6 @@ class CudaTransferEngine(TransferEngine):
             self._rt.run(CopyPlan(plan.dst[lo:hi], plan.src[lo:hi], plan.size[lo:hi]), dma.stream(i).cuda_stream)
         dma.join()
 
-    def _slots(self, to_host: bool) -> tuple[int, int]:
-        page = self.layout.num_layers * self.layout.kv_count * self.layout.bytes_per_layer_piece
-        return staging_slots(self.staging_bytes, page, to_host, self.backup_slots)
-
-    def _stager(self, to_host: bool) -> Stager:
-        st = self._stagers.get(to_host)
-        if st is None:
-            n_slots, slot = self._slots(to_host)
-            max_pages = slot // (self.layout.kv_count * self.layout.bytes_per_layer_piece)
-            lanes = min(self.stage_lanes, BACKUP_LANES) if to_host else self.stage_lanes
-            st = self._stagers[to_host] = Stager(self.device, n_slots, slot, max_pages, self.layout.num_layers,
-                                                  lanes)
-        return st
-
-    def _staged(self, dev_idx: np.ndarray, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream,
-                deps: list[torch.cuda.Event],
-                layer_wise: bool = True) -> tuple[list[torch.cuda.Event], tuple[Any, ...], LayerFlags | None,
-                                                  _Deferral | None]:
-        """Submit a staged transfer (see :mod:`hicache.transfer.staged`); returns per-layer events, the
-        buffers to keep alive, the layer flags of a resident load (:meth:`_staged_resident`), and the
-        steps of a layer-wise load not submitted yet (:meth:`_staged_load`).
-
-        Load (:meth:`_staged_load`), per chunk: the load stream DMAs host runs into a slot, the slot's
-        lane scatters it into L1. Backup, per chunk: the slot's lane gathers L1 into it, the backup stream
-        DMAs it out. A slot is refilled only after the previous user of it finished
-        (events ``free``). A backup's last event is recorded on ``stream``, so later work on that stream
-        is ordered after it; a load's on the stage stream, which the next staged load's scatters follow,
-        and any other transfer on ``stream`` waits for it (:meth:`_staged_load`).
-        """
-        assert self._rt is not None
-        L, C = self.layout.num_layers, self.layout.kv_count
-        g = self.geometry
-        piece = g.piece_bytes
-        st = self._stager(to_host)
-        sst = st.stream
-        for ev in deps:
-            sst.wait_event(ev)
-        head = 0
-        if not to_host and layer_wise and self.staged_kernel != "resident":
-            head = self._head_layers(len(dev_idx), st)
-        keys = self.host_pool.host_keys(host_idx)  # ascending, as host_idx
-        # device pages; after them the host keys, which only the head's gather kernel reads
-        both = np.concatenate([dev_idx, keys]) if head else dev_idx
-        plans = _StagePlans(keys)
-        sched = (None if to_host or self.staged_kernel == "resident"
-                 else self._load_schedule(len(dev_idx), st, head, layer_wise))
-        groups = self._backup_shapes(st) if to_host else []
-        if self.block_mirror:  # block-first, so never the resident kernel (page-first only)
-            # block-mirrored chunks carry slot keys the kernels read: plan every group shape now, and
-            # upload the keys with the indices
-            n = len(dev_idx)
-            shapes = groups if sched is None else [(u.n_layers, 0, ramp) for u, ramp in _unit_ramps(sched[0])]
-            parts = [both]
-            offset = len(both)
-            for n_layers, ramp_up, ramp_down in dict.fromkeys(shapes):
-                chunks = plan_group_blocks(g.host_base, piece, C, L, self.host_pool.block_pages, host_idx, 0,
-                                           n_layers, st.slot_bytes, to_host, ramp_up, ramp_down)
-                if chunks is None:
-                    continue  # a block of these layers outgrows a slot: lc-major chunks (planned on use)
-                shape = (n_layers, st.slot_bytes, ramp_up, ramp_down)
-                plans.memo[shape] = chunks
-                plans.key_offset[shape] = offset
-                parts.append(np.concatenate([ch.slot_keys for ch in chunks if ch.slot_keys is not None]))
-                offset += n
-            both = np.concatenate(parts)
-        idx_host = torch.from_numpy(np.ascontiguousarray(both, dtype=np.int64)).pin_memory()
-        with torch.cuda.stream(sst):  # allocated on the stream that uses it
-            idx = torch.empty(idx_host.shape, dtype=torch.int64, device=self.device)
-        # by a kernel, not a memcpy, which would queue behind bulk DMA in flight (see fetch_indices)
-        self.stage_kernel.fetch_indices(sst.cuda_stream, idx_host.data_ptr(), idx.data_ptr(), idx.numel())
-        if self.staged_kernel == "resident":
-            events, meta, flags = self._staged_resident(keys, to_host, stream, st, idx.data_ptr(), layer_wise)
-            return events, (idx_host, idx, *meta), flags, None
-        if sched is not None:
-            lanes = self.load_lanes if layer_wise else self.stage_lanes
-            events, deferral = self._staged_load(plans, sched, stream, st, idx.data_ptr(), head, lanes,
-                                                 self.submit_ahead if layer_wise else L)
-            return events, (idx_host, idx), None, deferral
-        dma = self._dma_streams(stream)
-        st.begin()
-        k = 0
-        l0 = 0
-        for ng, ramp_up, _ in groups:
-            for ch in self._plan_chunks(plans, l0, ng, st.slot_bytes, True, ramp_up, 0):
-                s, base = st.take()
-                plan = with_slot_base(ch.plan, base, True)
-                lane = st.lane(s)
-                prev = st.free[s]
-                if prev is not None:
-                    lane.wait_event(prev)
-                self._launch_stage(lane, plans, idx.data_ptr(), ch, (ng, st.slot_bytes, ramp_up, 0), l0, ng, True,
-                                   base, st)
-                done = torch.cuda.Event()
-                done.record(lane)
-                out = dma.stream(k)
-                k += 1
-                out.wait_event(done)
-                self._rt.run(plan, out.cuda_stream)
-                freed = torch.cuda.Event()
-                freed.record(out)
-                st.free[s] = freed
-            l0 += ng
-        dma.join()
-        final = torch.cuda.Event()
-        final.record(stream)
-        return [final] * L, (idx_host, idx), None, None
-
-    def _dma_streams(self, stream: torch.cuda.Stream, to_host: bool = True) -> DmaStreams:
-        """The streams a staged transfer's chunk DMAs go on in turn: ``stream`` and the backup lanes
-        (backups) or the load lanes (loads)."""
-        return DmaStreams(stream, self._backup_lanes if to_host else self._load_lanes)
-
-    def _backup_shapes(self, st: Stager) -> list[tuple[int, int, int]]:
-        """A staged backup's layer groups in order, as (layers, ramp up, ramp down): whole pages where
-        one fits a slot (block-mirrored slots: where one bin of the group's layers, a block's worth of
-        pages, fits), the first group's chunks ramped up."""
-        L, C = self.layout.num_layers, self.layout.kv_count
-        unit = self.geometry.piece_bytes
-        per_group = 0
-        if self.block_mirror:  # else a deep model's block outgrows a slot and mirroring is never used
-            b = unit * self.host_pool.block_pages
-            per_group = group_layers(L, C, b, L * C * b, st.slot_bytes)
-        if per_group == 0:
-            per_group = group_layers(L, C, unit, L * C * unit, st.slot_bytes)
-        return [(min(per_group, L - l0), STAGE_RAMP if l0 == 0 else 0, 0) for l0 in range(0, L, per_group)]
-
-    def _plan_chunks(self, plans: _StagePlans, layer_begin: int, n_layers: int, slot_bytes: int, to_host: bool,
-                     ramp_up: int, ramp_down: int, lo: int = 0, hi: int | None = None) -> list[StagedChunk]:
-        """The staged chunks of one layer group for the transfer's pages ``[lo, hi)``: page-major
-        (:func:`~hicache.transfer.staged.plan_group`) for a page-first pool, else block-mirrored where
-        :meth:`_staged` planned them (:func:`~hicache.transfer.staged.plan_group_blocks`), else lc-major
-        (:func:`~hicache.transfer.staged.plan_group_lc`). Lc-major and block-mirrored chunks (always of
-        every page: such loads are never staggered) are planned once per group shape in ``plans`` and
-        shifted to each layer group (:func:`~hicache.transfer.staged.shift_layers`)."""
-        g, C = self.geometry, self.layout.kv_count
-        keys = plans.keys[lo:hi]
-        if self.lc_major:
-            assert len(keys) == len(plans.keys), "lc-major transfers are not split into parts"
-            shape = (n_layers, slot_bytes, ramp_up, ramp_down)
-            memo = plans.memo
-            base = memo.get(shape)
-            if base is None:
-                base = memo[shape] = plan_group_lc(g.host_base, g.host_page_stride, g.host_lc_stride,
-                                                   g.piece_bytes, C, keys, 0, n_layers, slot_bytes, to_host,
-                                                   ramp_up, ramp_down)
-            return shift_layers(base, layer_begin, C, g.host_lc_stride, to_host)
-        return plan_group(g.host_base, g.host_page_stride, g.piece_bytes, C, keys, layer_begin, n_layers,
-                          slot_bytes, to_host, ramp_up, ramp_down)
-
-    def _launch_stage(self, lane: torch.cuda.Stream, plans: _StagePlans, idx_ptr: int, ch: StagedChunk,
-                      shape: tuple[int, int, int, int], layer_begin: int, n_layers: int, to_host: bool, base: int,
-                      st: Stager, lo: int = 0) -> None:
-        """The device-side copy of one staged chunk on ``lane``: L1 pages at ``idx_ptr`` (positions from
-        ``lo + ch.i0``), the slot at ``base`` addressed by position (page-first and lc-major slots) or by
-        the chunk's slot keys, uploaded after the indices (block-mirrored)."""
-        C = self.layout.kv_count
-        dev_ptr = idx_ptr + 8 * (lo + ch.i0)
-        if ch.slot_keys is not None:
-            pos_ptr = idx_ptr + 8 * (plans.key_offset[shape] + ch.i0)
-            strides = (self.geometry.piece_bytes, self.host_pool.block_pages * self.geometry.piece_bytes)
-            self.stage_kernel.launch_staged(lane.cuda_stream, dev_ptr, pos_ptr, ch.i1 - ch.i0, layer_begin * C,
-                                            n_layers * C, to_host, base, strides=strides)
-        else:
-            self.stage_kernel.launch_staged(lane.cuda_stream, dev_ptr, st.pos.data_ptr(), ch.i1 - ch.i0,
-                                            layer_begin * C, n_layers * C, to_host, base, self.lc_major)
-
-    def _staged_load(self, plans: _StagePlans, schedule: tuple[LoadSchedule, list[tuple[int, int]]],
-                     stream: torch.cuda.Stream, st: Stager, idx_ptr: int, head: int = 0,
-                     lanes: int | None = None, ahead: int = 0,
-                     ) -> tuple[list[torch.cuda.Event], _Deferral | None]:
-        """The load half of :meth:`_staged`: groups of layers, staggered over parts of the page list
-        (:func:`~hicache.transfer.staged.stagger_schedule`), scattered on the stager's first ``lanes``
-        lanes (default all). Returns the per-layer events and, when some units are left to submit, their
-        deferral.
-
-        ``plans`` holds the host pages and keys (``HostPool.host_keys``) in host order and ``idx_ptr`` the
-        matching device pages on the GPU (then, when ``head`` > 0, the host keys; then the slot keys of
-        block-mirrored chunks). Each unit of the
-        schedule is one part's pages for one group of layers (an lc-major pool: one layer of every page),
-        moved slot by slot, each slot scattered on its lane; the stage stream then waits for the unit's
-        scatters and records an event, and layer ``i``'s event is that of the unit after which every part
-        holds it. The first ``head`` layers are not staged: the gather kernel copies
-        them from host memory, one launch and one event per layer, on the head stream, before the DMA of
-        the others (:meth:`_head_layers`).
-
-        Units are submitted here only up to those that layer ``ahead`` needs (all of them when ``ahead`` is
-        the last layer or beyond); the others are submitted in order by the handle's later calls
-        (:class:`_Deferral`, :mod:`hicache.transfer.deferred`). Their events exist from the start and are
-        recorded as their units are submitted.
-        """
-        assert self._rt is not None
-        rt = self._rt
-        L, C = self.layout.num_layers, self.layout.kv_count
-        sst = st.stream
-        head_events: list[torch.cuda.Event] = []
-        if head:
-            hs, kern = self._head_copier()
-            fetched = torch.cuda.Event()
-            fetched.record(sst)  # the transfer's dependencies and the index fetch
-            hs.wait_event(fetched)
-            n = len(plans.keys)
-            for layer in range(head):
-                kern.launch(hs.cuda_stream, idx_ptr, idx_ptr + 8 * n, n, layer * C, C, to_host=False)
-                ev = torch.cuda.Event()
-                ev.record(hs)
-                head_events.append(ev)
-            # the DMA of the other layers follows: beside it the kernel's reads get little of the link
-            stream.wait_event(head_events[-1])
-        sched, bounds = schedule
-        dma = self._dma_streams(stream, to_host=False)
-        st.begin()
-        units = _unit_ramps(sched)
-        last = len(units) - 1
-        landed = [torch.cuda.Event() for _ in units]
-        final = torch.cuda.Event()
-
-        def steps() -> Generator[None, None, None]:
-            k = 0
-            for ui, (u, ramp_down) in enumerate(units):
-                lo, hi = bounds[u.way]
-                scattered: list[torch.cuda.Event] = []
-                shape = (u.n_layers, st.slot_bytes, 0, ramp_down)
-                for ch in self._plan_chunks(plans, u.layer_begin, u.n_layers, st.slot_bytes, False, 0, ramp_down,
-                                            lo, hi):
-                    s, base = st.take()
-                    plan = with_slot_base(ch.plan, base, False)
-                    out = dma.stream(k)
-                    k += 1
-                    prev = st.free[s]
-                    if prev is not None:
-                        out.wait_event(prev)
-                    rt.run(plan, out.cuda_stream)
-                    done = torch.cuda.Event()
-                    done.record(out)
-                    lane = st.lane(s, lanes)
-                    lane.wait_event(done)
-                    self._launch_stage(lane, plans, idx_ptr, ch, shape, u.layer_begin, u.n_layers, False, base, st,
-                                       lo)
-                    freed = torch.cuda.Event()
-                    freed.record(lane)
-                    st.free[s] = freed
-                    scattered.append(freed)
-                for freed in scattered:
-                    sst.wait_event(freed)
-                landed[ui].record(sst)  # this part's group is in L1
-                if ui == last:
-                    dma.join()
-                    if head_events:
-                        sst.wait_event(head_events[-1])
-                    # The end of the load is on the stage stream, after every scatter (each follows its DMA)
-                    # and the head. ``stream`` does not wait for it: the next staged load's DMAs only need
-                    # free slots, and its scatters follow this load's on the stage stream. Waiting here left
-                    # the link idle at the end of every load until its last scatter got SMs, up to a whole
-                    # GEMM kernel beside compute. Any other transfer on ``stream`` waits for it first
-                    # (``_unjoined``, in :meth:`_submit`).
-                    final.record(sst)
-                    self._unjoined = final
-                yield
-
-        events = head_events + [final if sched.ready[layer] == last else landed[sched.ready[layer]]
-                                for layer in range(L - head)]
-        # steps (units) each layer needs submitted: none for the head's, which are queued above
-        need = [0] * head + [sched.ready[layer] + 1 for layer in range(L - head)]
-        pending = Pending(steps(), len(units))
-        self._deferred.add(pending)  # every earlier step ran (``_submit``): this runs only its own
-        self._deferred.advance(pending, need[min(ahead, L - 1)])
-        if pending.complete:
-            return events, None
-        return events, _Deferral(self, pending, need, ahead)
-
     def _advance(self, pending: Pending, steps: int) -> None:
         """Submit deferred steps: every earlier transfer's, then ``pending``'s until ``steps`` of it ran
         (see :class:`~hicache.transfer.deferred.SubmitQueue`). Raises that transfer's error, if any."""
@@ -941,123 +535,6 @@ class CudaTransferEngine(TransferEngine):
         """Submit every deferred step of every transfer (never waits for the device)."""
         with self._lock, torch.cuda.device(self.device):
             self._deferred.run_all()
-
-    def _head_copier(self) -> tuple[torch.cuda.Stream, KernelCopier]:
-        """The stream and gather kernel (``head_blocks`` blocks) of staged loads' head layers, made on first
-        use: an engine without a head creates no stream for it."""
-        if self._head is None:
-            self._head = (torch.cuda.Stream(self.device, priority=-1),
-                          KernelCopier(self.geometry, self.device_index, self.head_blocks, self.kernel.threads))
-        return self._head
-
-    def _head_layers(self, n: int, st: Stager) -> int:
-        """Leading layers of a staged load of ``n`` pages that the gather kernel copies instead
-        (``load_head_layers``, at most all layers but one): only for loads of several layer groups,
-        whose first layer would otherwise be ready only once the first groups have landed."""
-        L, C = self.layout.num_layers, self.layout.kv_count
-        per_group = group_layers(L, C, self.geometry.piece_bytes, self.ce_min_copy_bytes, st.slot_bytes)
-        if per_group >= L or n == 0 or self.lc_major:  # lc-major loads go layer by layer already
-            return 0
-        return min(self.load_head_layers, L - 1)
-
-    def _load_schedule(self, n: int, st: Stager, head: int = 0,
-                       layer_wise: bool = True) -> tuple[LoadSchedule, list[tuple[int, int]]]:
-        """The schedule of a staged load of ``n`` pages (:func:`~hicache.transfer.staged.load_schedule`)."""
-        return load_schedule(self.layout.num_layers, self.layout.kv_count, self.geometry.piece_bytes,
-                             self.ce_min_copy_bytes, st.slot_bytes, n, self.stagger_ways, STAGGER_MIN_PAGES, head,
-                             layer_wise, self.lc_major)
-
-    def _staged_resident(self, host_idx: np.ndarray, to_host: bool, stream: torch.cuda.Stream, st: Stager,
-                         idx_ptr: int,
-                         layer_wise: bool = True) -> tuple[list[torch.cuda.Event], tuple[Any, ...], LayerFlags | None]:
-        """A staged transfer whose device-side copies run as one resident kernel (``staged_resident``).
-
-        The chunks are planned as by :meth:`_staged_load` (loads: staggered layer groups, or whole pages
-        when not ``layer_wise``) or the per-chunk
-        backup (whole pages). Chunk ``k`` of the stager's life gets number ``k + 1``. The copy-engine
-        stream, per chunk: waits until the slot may be written (a load: the kernel finished the slot's
-        previous chunk; a backup: the kernel gathered this chunk), runs the DMA, then writes the chunk's
-        number to ``slot_ready``. The kernel waits for ``slot_ready`` (a load: this chunk landed; a backup:
-        the slot's previous chunk drained) and publishes ``slot_done`` and the per-layer flags. Neither
-        side waits for anything the other has not already been given, so the two never deadlock; the
-        kernel needs SMs once per transfer, not once per chunk. The numbering and waits come from
-        :func:`hicache.transfer.resident.number_chunks`, whose protocol :func:`~hicache.transfer.resident.
-        check_protocol` plays out in the tests.
-        """
-        assert self._rt is not None
-        L, C = self.layout.num_layers, self.layout.kv_count
-        g = self.geometry
-        piece = g.piece_bytes
-        n = len(host_idx)
-        # (plan, first page position, pages, first slot lc, lcs) per chunk, in order
-        chunks: list[tuple[CopyPlan, int, int, int, int]] = []
-        layer_chunk = np.zeros(L + (L & 1), dtype=np.int32)  # even length: packs into int64 words
-        if to_host:
-            per_group = group_layers(L, C, piece, L * C * piece, st.slot_bytes)  # whole pages
-            for l0 in range(0, L, per_group):
-                ng = min(per_group, L - l0)
-                for ch in plan_group(g.host_base, g.host_page_stride, piece, C, host_idx, l0, ng, st.slot_bytes,
-                                     True, STAGE_RAMP if l0 == 0 else 0, 0):
-                    chunks.append((ch.plan, ch.i0, ch.i1 - ch.i0, l0 * C, ng * C))
-        else:
-            sched, bounds = self._load_schedule(n, st, 0, layer_wise)
-            unit_end = []
-            for ui, u in enumerate(sched.units):
-                lo, hi = bounds[u.way]
-                ramp_down = STAGE_RAMP if ui == len(sched.units) - 1 else 0
-                for ch in plan_group(g.host_base, g.host_page_stride, piece, C, host_idx[lo:hi], u.layer_begin,
-                                     u.n_layers, st.slot_bytes, False, 0, ramp_down):
-                    chunks.append((ch.plan, lo + ch.i0, ch.i1 - ch.i0, u.layer_begin * C, u.n_layers * C))
-                unit_end.append(len(chunks) - 1)
-            layer_chunk[:L] = [unit_end[sched.ready[layer]] for layer in range(L)]
-        if st.chunk_seq + len(chunks) >= SEQ_LIMIT or st.layer_seq + 1 >= SEQ_LIMIT:
-            st.restart_flags()
-        desc = np.empty((len(chunks), STAGED_DESC_WORDS), dtype=np.int64)
-        taken = [st.take() for _ in chunks]
-        numbered = number_chunks([s for s, _ in taken], st.last, st.chunk_seq + 1, to_host)
-        st.chunk_seq += len(chunks)
-        issue: list[tuple[CopyPlan, ResidentChunk]] = []  # (plan into/out of the slot, numbering)
-        for k, ((plan, i0, npg, lc0, nlc), (s, base), rc) in enumerate(zip(chunks, taken, numbered, strict=True)):
-            desc[k] = (s, rc.kernel_wait, rc.number, base, i0, npg, lc0, nlc)
-            issue.append((with_slot_base(plan, base, to_host), rc))
-        layer_seq = 0
-        if not to_host:
-            st.layer_seq += 1
-            layer_seq = st.layer_seq
-        meta_host = torch.from_numpy(np.concatenate([desc.ravel(), layer_chunk.view(np.int64)])).pin_memory()
-        sst = st.stream
-        ssh, sh = sst.cuda_stream, stream.cuda_stream
-        with torch.cuda.stream(sst):  # allocated on the stream that uses it
-            meta = torch.empty(meta_host.shape, dtype=torch.int64, device=self.device)
-        self.stage_kernel.fetch_indices(ssh, meta_host.data_ptr(), meta.data_ptr(), meta.numel())
-        self.stage_kernel.launch_resident(
-            ssh, self.resident_blocks, meta.data_ptr(), len(chunks), idx_ptr, st.pos.data_ptr(),
-            st.slot_ready.data_ptr(), st.slot_done.data_ptr(), st.counters.data_ptr(),
-            meta.data_ptr() + 8 * desc.size, 0 if to_host else L, st.layer_flags.data_ptr(), layer_seq, to_host)
-        kernel_done = torch.cuda.Event()
-        kernel_done.record(sst)
-        mo, ctx = self._mem_ops, self._mem_context
-        ready_ptr, done_ptr = st.slot_ready.data_ptr(), st.slot_done.data_ptr()
-        issued = 0
-        try:
-            for plan, rc in issue:
-                if rc.dma_wait:  # a backup: gathered into the slot; a load: the slot's previous chunk scattered
-                    mo.wait_geq(sh, done_ptr + 4 * rc.slot, rc.dma_wait, ctx)
-                self._rt.run(plan, sh)
-                mo.write(sh, ready_ptr + 4 * rc.slot, rc.number, ctx)
-                issued += 1
-        except BaseException:
-            # The kernel is queued and would wait forever for flags this loop never wrote: release it
-            # (a failed load's pages then hold stale slot bytes; the caller gets the error, not a handle).
-            for _, rc in issue[issued:]:
-                with contextlib.suppress(Exception):
-                    mo.write(sh, ready_ptr + 4 * rc.slot, rc.number, ctx)
-            raise
-        stream.wait_event(kernel_done)
-        final = torch.cuda.Event()
-        final.record(stream)
-        flags = None if to_host else LayerFlags(mo, st.layer_flags.data_ptr(), layer_seq, ctx)
-        return [final] * L, (meta_host, meta), flags
 
     def load(self, host_idx: np.ndarray, device_idx: np.ndarray, layer_wise: bool = True) -> TransferHandle:
         """See :meth:`TransferEngine.load`. A staged load that is not ``layer_wise`` moves whole pages (one
