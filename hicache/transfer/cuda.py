@@ -53,7 +53,7 @@ I/O backends (``io_backend``):
   then move at the copy engine's full rate. Loads go by groups of layers (the fewest whose run per page
   reaches ``ce_min_copy_bytes``); every layer of a group is ready at once. A load of several groups is
   staggered over ``stagger_ways`` parts of its pages (default 4), whose group boundaries are offset, so
-  layers become ready about ``ways`` times as often (:func:`~hicache.transfer.staged.stagger_schedule`).
+  layers become ready about ``ways`` times as often (:func:`~hicache.transfer.stagger.stagger_schedule`).
   ``staging_bytes`` (default ``DEFAULT_STAGING_BYTES``, 256 MiB, device memory taken on first use) is
   split into slots of at most ``LOAD_SLOT_BYTES`` (16 MiB; at least four slots) used in turn; backups
   use four slots of at most ``BACKUP_SLOT_BYTES`` (8 MiB), which stay in L2 between gather and DMA.
@@ -72,7 +72,7 @@ I/O backends (``io_backend``):
   scattered on one lane unless ``stage_lanes`` is set, a whole load on every lane
   (:func:`~hicache.transfer.staged.plan_group_lc`). A block-first pool's
   slots mirror its blocks by default (``block_staging: mirror``,
-  :func:`~hicache.transfer.staged.plan_group_blocks`): a block the transfer covers is one copy, the runs
+  :func:`~hicache.transfer.staged_blocks.plan_group_blocks`): a block the transfer covers is one copy, the runs
   of partial blocks are packed into the slot, and the kernels find each page in the slot through slot
   keys uploaded with the indices. Kernels and planners
   address host pages by ``HostPool.host_keys``, which covers every layout with a page and a slot stride.

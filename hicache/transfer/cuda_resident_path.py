@@ -22,7 +22,8 @@ from hicache.transfer.cuda_kernels import STAGED_DESC_WORDS, CopyGeometry, Kerne
 from hicache.transfer.cuda_streams import Stager
 from hicache.transfer.cuda_tuning import SEQ_LIMIT, STAGE_RAMP
 from hicache.transfer.resident import ResidentChunk, number_chunks
-from hicache.transfer.staged import LoadSchedule, group_layers, plan_group, with_slot_base
+from hicache.transfer.staged import group_layers, plan_group, with_slot_base
+from hicache.transfer.stagger import LoadSchedule
 
 
 class ResidentPath:

@@ -24,18 +24,9 @@ from hicache.transfer.cuda_resident_path import ResidentPath
 from hicache.transfer.cuda_streams import DmaStreams, Stager
 from hicache.transfer.cuda_tuning import BACKUP_LANES, STAGE_RAMP, STAGGER_MIN_PAGES, staging_slots
 from hicache.transfer.deferred import Pending, SubmitQueue
-from hicache.transfer.staged import (
-    LoadSchedule,
-    StagedChunk,
-    StaggerUnit,
-    group_layers,
-    load_schedule,
-    plan_group,
-    plan_group_blocks,
-    plan_group_lc,
-    shift_layers,
-    with_slot_base,
-)
+from hicache.transfer.staged import StagedChunk, group_layers, plan_group, plan_group_lc, shift_layers, with_slot_base
+from hicache.transfer.staged_blocks import plan_group_blocks
+from hicache.transfer.stagger import LoadSchedule, StaggerUnit, load_schedule
 
 
 def _unit_ramps(sched: LoadSchedule) -> list[tuple[StaggerUnit, int]]:
@@ -214,7 +205,7 @@ class StagedPath(ResidentPath):
                      ramp_up: int, ramp_down: int, lo: int = 0, hi: int | None = None) -> list[StagedChunk]:
         """The staged chunks of one layer group for the transfer's pages ``[lo, hi)``: page-major
         (:func:`~hicache.transfer.staged.plan_group`) for a page-first pool, else block-mirrored where
-        :meth:`_staged` planned them (:func:`~hicache.transfer.staged.plan_group_blocks`), else lc-major
+        :meth:`_staged` planned them (:func:`~hicache.transfer.staged_blocks.plan_group_blocks`), else lc-major
         (:func:`~hicache.transfer.staged.plan_group_lc`). Lc-major and block-mirrored chunks (always of
         every page: such loads are never staggered) are planned once per group shape in ``plans`` and
         shifted to each layer group (:func:`~hicache.transfer.staged.shift_layers`)."""
@@ -255,7 +246,7 @@ class StagedPath(ResidentPath):
                      lanes: int | None = None, ahead: int = 0,
                      ) -> tuple[list[torch.cuda.Event], Deferral | None]:
         """The load half of :meth:`_staged`: groups of layers, staggered over parts of the page list
-        (:func:`~hicache.transfer.staged.stagger_schedule`), scattered on the stager's first ``lanes``
+        (:func:`~hicache.transfer.stagger.stagger_schedule`), scattered on the stager's first ``lanes``
         lanes (default all). Returns the per-layer events and, when some units are left to submit, their
         deferral.
 
@@ -374,7 +365,7 @@ class StagedPath(ResidentPath):
 
     def _load_schedule(self, n: int, st: Stager, head: int = 0,
                        layer_wise: bool = True) -> tuple[LoadSchedule, list[tuple[int, int]]]:
-        """The schedule of a staged load of ``n`` pages (:func:`~hicache.transfer.staged.load_schedule`)."""
+        """The schedule of a staged load of ``n`` pages (:func:`~hicache.transfer.stagger.load_schedule`)."""
         return load_schedule(self.layout.num_layers, self.layout.kv_count, self.geometry.piece_bytes,
                              self.ce_min_copy_bytes, st.slot_bytes, n, self.stagger_ways, STAGGER_MIN_PAGES, head,
                              layer_wise, self.lc_major)

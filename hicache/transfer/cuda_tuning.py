@@ -89,7 +89,7 @@ DEFAULT_LOAD_HEAD_LAYERS = 0
 DEFAULT_HEAD_BLOCKS = 16  # the head's kernel runs before the DMA, and mostly before compute starts
 FAN_MIN_COPIES = 16  # fewest copies in one part of a fanned-out backup
 STAGE_RAMP = 4  # smaller chunks at a backup's start and a load's end: 1/16, 1/8, 1/4, 1/2 of a slot
-STAGGER_MIN_PAGES = 32  # pages per part, at least, before a staged load is staggered (staged.stagger_schedule)
+STAGGER_MIN_PAGES = 32  # pages per part, at least, before a staged load is staggered (stagger.stagger_schedule)
 SEQ_LIMIT = 1 << 31  # flag values stay below this; counters restart from zeroed flags when they reach it
 
 

@@ -22,19 +22,7 @@ Every group costs one copy per page, whatever its size: smaller groups at the en
 compute sooner and finish it later less) were measured on an H100 to slow a 32-layer load of 4 KiB
 pieces by 40% (groups 2, 4, 8, 8, 4, 4, 2 against 8, 8, 8, 8), more than they gained in overlap.
 
-With groups of ``g`` layers every layer of a group is ready at once, so compute running as fast as the
-load waits up to ``g`` layers behind it. :func:`stagger_schedule` splits the pages into ``ways`` parts
-whose group boundaries are offset from each other (part ``k`` starts with a group of ``k * g // ways``
-layers) and interleaves their groups by last layer: a layer is ready once every part holds it, which
-now happens about every ``g / ways`` layers instead of every ``g``, for about one more copy per page and
-part. Fluid model, 32 layers, compute as fast as the load: groups of 8 finish at 1.25x the load time,
-staggered 4 ways 1.16x; groups of 4, 1.125x and 1.08x. The start sets that bound: layer 0 is ready
-only once every part's first group (``g``, then ``k * g // ways`` layers for part ``k``) has landed,
-``g * (ways + 1) / (2 * ways)`` layers' worth of the load (5 of 32 for ``g = 8``, ``ways = 4``), and
-compute never catches that up. Measured on an H200 (32 layers, 4 KiB pieces,
-compute about as long as the load): 1.25x -> 1.15x of max(load, compute), for a load 12% slower (the
-extra copies, and the short runs at each part's ends). Loads of a single group (whole pages) are not
-staggered: their runs of consecutive host pages merge into single copies.
+Loads of several groups are staggered (:mod:`hicache.transfer.stagger`).
 
 Host pools that are not page-first (layer-first, and block-first: layer-first within blocks of consecutive
 pages) are staged *lc-major* instead (:func:`plan_group_lc`): a chunk's slot holds ``[layers x K/V][pages]
@@ -42,12 +30,13 @@ pages) are staged *lc-major* instead (:func:`plan_group_lc`): a chunk's slot hol
 not layer groups, then make the copies large, so loads go one layer at a time, never staggered: layer
 ``i`` is ready once ``i + 1`` layers' worth of the load has landed.
 
+Block-first pools can instead stage slots that mirror their blocks (:mod:`hicache.transfer.staged_blocks`).
+
 Planning is pure NumPy (:func:`plan_group`, :func:`plan_group_lc`) and needs no GPU.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import NamedTuple
 
@@ -67,8 +56,8 @@ class StagedChunk(NamedTuple):
     i0: int
     i1: int
     plan: CopyPlan
-    # block-mirrored chunks (:func:`plan_group_blocks`): each page's key in the slot, which is a row of
-    # block-shaped bins; None for the other planners, whose slot positions are ``i - i0``
+    # block-mirrored chunks (hicache.transfer.staged_blocks): each page's key in the slot, which is a
+    # row of block-shaped bins; None for the other planners, whose slot positions are ``i - i0``
     slot_keys: np.ndarray | None = None
 
 
@@ -220,135 +209,6 @@ def plan_group_lc(host_base: int, host_page_stride: int, host_lc_stride: int, pi
     return chunks
 
 
-def plan_group_blocks(host_base: int, piece_bytes: int, kv_count: int, num_layers: int, block_pages: int,
-                      host_pages: np.ndarray, layer_begin: int, n_layers: int, slot_bytes: int, to_host: bool,
-                      ramp_up: int = 0, ramp_down: int = 0) -> list[StagedChunk] | None:
-    """Block-mirrored chunks of the layer group ``[layer_begin, layer_begin + n_layers)`` for the pages
-    ``host_pages`` (ascending) of a block-first pool (``[P / B, L, C, B, piece]``, ``B = block_pages``,
-    base ``host_base``); None when one block's ``n_layers`` do not fit ``slot_bytes``.
-
-    A slot is a row of *bins*, each laid out like one host block of the group: ``[n_lc][B][piece]``
-    (``n_lc = n_layers * kv_count``), bin ``b`` at slot offset ``b * n_lc * B * piece``; a chunk holds up
-    to ``slot_bytes // (n_lc * B * piece)`` bins (fewer in the ramps of :func:`chunk_sizes`, which count
-    bins here). A page sits at slot key ``b * n_lc * B + k`` (``slot_keys``; the kernel addresses the
-    slot with page stride ``piece`` and (layer, K/V) stride ``B * piece``):
-
-    * a block the transfer covers whole takes a bin of its own, ``k = h % B``: its ``n_lc`` rows are
-      contiguous on both sides, so it is ONE copy (whole pages of consecutive such blocks merge into one),
-      where :func:`plan_group_lc` makes ``n_lc`` of them;
-    * the runs of consecutive pages of partly covered blocks are packed in order, next-fit, into the
-      bins between two whole blocks (a run that does not fit the rest of a bin opens the next), so sparse
-      pages fill slots instead of leaving a hole for every page a block lacks; each run is one copy per
-      (layer, K/V).
-
-    Pages keep their order: bins, and so chunks, cover consecutive positions of ``host_pages``.
-    """
-    h = np.asarray(host_pages, dtype=np.int64)
-    B, C = block_pages, kv_count
-    n_lc = n_layers * C
-    block_bytes = n_lc * B * piece_bytes
-    if n_lc <= 0 or block_bytes > slot_bytes:
-        return None
-    n = len(h)
-    if n == 0:
-        return []
-    row = B * piece_bytes  # one (layer, K/V) of a block
-    host_block = num_layers * C * row  # host bytes per block
-    lc0 = layer_begin * C
-    blk, off = h // B, h % B
-    # blocks, and runs of consecutive pages within a block
-    new_blk = np.ones(n, dtype=bool)
-    np.not_equal(np.diff(blk), 0, out=new_blk[1:])
-    blk_start = np.flatnonzero(new_blk)  # position of each block's first page
-    page_blk = np.cumsum(new_blk) - 1  # block rank of each page
-    brk = new_blk.copy()
-    brk[1:] |= np.diff(h) != 1
-    run_start = np.flatnonzero(brk)
-    run_len = np.diff(np.append(run_start, n))
-    whole = run_len[np.searchsorted(run_start, blk_start)] == B  # one run of B pages fills its block
-    # items in page order: each whole block, and each segment of partial blocks between whole ones
-    seg_head = ~whole & np.append(True, whole[:-1])  # a partial block after a whole one (or first)
-    item_head = whole | seg_head
-    item_of_blk = np.cumsum(item_head) - 1
-    # the runs of partial blocks, packed next-fit into the bins of their segment: a run goes whole into
-    # the current bin, or opens the next one (no run is split, so no copy is added)
-    part_run = np.flatnonzero(~whole[page_blk[run_start]])
-    rs, rl = run_start[part_run], run_len[part_run]
-    run_item = item_of_blk[page_blk[rs]]
-    cum = np.zeros(len(rs) + 1, dtype=np.int64)
-    np.cumsum(rl, out=cum[1:])
-    seg_end = np.searchsorted(run_item, run_item, side="right")  # first run of the next item
-    # where a bin opened at run i ends: the most runs from i that fit B, never past the segment
-    nxt = np.minimum(np.searchsorted(cum, cum[:-1] + B, side="right") - 1, seg_end).tolist()
-    starts = []  # the run each bin opens with (next-fit is sequential: follow the chain)
-    i = 0
-    while i < len(nxt):
-        starts.append(i)
-        i = nxt[i]
-    first_run = np.array(starts, dtype=np.int64)
-    run_bin_g = np.repeat(np.arange(len(starts), dtype=np.int64), np.diff(np.append(first_run, len(rs))))
-    run_k0 = cum[:-1] - cum[first_run[run_bin_g]]  # key of the run's first page in its bin
-    seg_first = np.searchsorted(run_item, run_item)  # first run of the run's segment
-    run_bin = run_bin_g - run_bin_g[seg_first]  # bin within its segment
-    item_bins = np.ones(int(item_of_blk[-1]) + 1, dtype=np.int64)  # whole blocks: one bin
-    if len(rs):
-        np.maximum.at(item_bins, run_item, run_bin + 1)
-    item_bin0 = np.zeros(len(item_bins), dtype=np.int64)
-    np.cumsum(item_bins[:-1], out=item_bin0[1:])
-    n_bins = int(item_bin0[-1] + item_bins[-1])
-    page_item = item_of_blk[page_blk]
-    page_bin = item_bin0[page_item].copy()
-    page_key = off.copy()
-    if len(rs):  # pages of partial runs: their run's bin and key, in order
-        run_of_page = np.repeat(np.arange(len(rs)), rl)
-        pp = np.flatnonzero(~whole[page_blk])
-        page_bin[pp] += run_bin[run_of_page]
-        page_key[pp] = run_k0[run_of_page] + (pp - rs[run_of_page])
-    # chunks of bins, and each bin's rank in its chunk
-    sizes = np.array(chunk_sizes(n_bins, slot_bytes // block_bytes, ramp_up, ramp_down), dtype=np.int64)
-    first_bin = np.zeros(len(sizes), dtype=np.int64)
-    np.cumsum(sizes[:-1], out=first_bin[1:])
-    bin_chunk = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
-    bin_j = np.arange(n_bins, dtype=np.int64) - first_bin[bin_chunk]
-    slot_keys = bin_j[page_bin] * (n_lc * B) + page_key
-    # whole blocks: one copy each, merged with the next where both sides continue (whole pages only)
-    wb = np.flatnonzero(whole)
-    wbin = page_bin[blk_start[wb]]
-    cont = np.zeros(len(wb), dtype=bool)
-    if n_lc == num_layers * C and len(wb) > 1:
-        cont[1:] = ((np.diff(wbin) == 1) & (np.diff(blk[blk_start[wb]]) == 1)
-                    & (np.diff(bin_chunk[wbin]) == 0))
-    ws = np.flatnonzero(~cont)
-    wlen = np.diff(np.append(ws, len(wb)))
-    wb, wbin = wb[ws], wbin[ws]
-    w_host = host_base + blk[blk_start[wb]] * host_block + lc0 * row
-    w_slot = bin_j[wbin] * block_bytes
-    w_size = wlen * block_bytes
-    w_chunk = bin_chunk[wbin]
-    # partial blocks: one copy per (layer, K/V, run)
-    lc = np.arange(n_lc, dtype=np.int64)[:, None] * row
-    p_host = (host_base + blk[rs] * host_block + (lc0 * B + off[rs]) * piece_bytes)[None, :] + lc
-    p_slot = ((bin_j[page_bin[rs]] * (n_lc * B) + page_key[rs]) * piece_bytes)[None, :] + lc
-    p_size = np.broadcast_to(rl * piece_bytes, p_host.shape)
-    p_chunk = np.broadcast_to(bin_chunk[page_bin[rs]], p_host.shape)
-    host_u = np.concatenate([w_host, p_host.reshape(-1)]).astype(np.uint64)
-    slot_u = np.concatenate([w_slot, p_slot.reshape(-1)]).astype(np.uint64)
-    size_u = np.concatenate([w_size, p_size.reshape(-1)]).astype(np.uint64)
-    owner = np.concatenate([w_chunk, p_chunk.reshape(-1)])
-    order = np.lexsort((host_u, owner))  # chunk by chunk, in host order within each
-    host_u, slot_u, size_u, owner = host_u[order], slot_u[order], size_u[order], owner[order]
-    edges = np.searchsorted(owner, np.arange(len(sizes) + 1))
-    page_edges = np.searchsorted(bin_chunk[page_bin], np.arange(len(sizes) + 1))
-    chunks = []
-    for c in range(len(sizes)):
-        lo, hi = int(edges[c]), int(edges[c + 1])
-        i0, i1 = int(page_edges[c]), int(page_edges[c + 1])
-        plan = (CopyPlan(host_u[lo:hi], slot_u[lo:hi], size_u[lo:hi]) if to_host
-                else CopyPlan(slot_u[lo:hi], host_u[lo:hi], size_u[lo:hi]))
-        chunks.append(StagedChunk(i0, i1, plan, slot_keys[i0:i1]))
-    return chunks
-
-
 def shift_layers(chunks: list[StagedChunk], layers: int, kv_count: int, host_lc_stride: int,
                  to_host: bool) -> list[StagedChunk]:
     """Lc-major or block-mirrored ``chunks`` of one layer group moved ``layers`` layers on: host addresses are linear in
@@ -370,87 +230,3 @@ def with_slot_base(plan: CopyPlan, slot_base: int, to_host: bool) -> CopyPlan:
     if to_host:
         return CopyPlan(plan.dst, plan.src + base, plan.size)
     return CopyPlan(plan.dst + base, plan.src, plan.size)
-
-
-class StaggerUnit(NamedTuple):
-    """Layers ``[layer_begin, layer_begin + n_layers)`` of the pages of part ``way``."""
-
-    way: int
-    layer_begin: int
-    n_layers: int
-
-
-class LoadSchedule(NamedTuple):
-    """The order of a staggered load: ``units`` in submission order, and for each layer the index of
-    the unit after which every part holds that layer (``ready[layer]``, non-decreasing)."""
-
-    units: list[StaggerUnit]
-    ready: list[int]
-
-
-def way_bounds(n: int, ways: int) -> list[tuple[int, int]]:
-    """Positions ``[lo, hi)`` of each part of ``n`` pages split into ``ways`` nearly equal runs."""
-    if ways < 1:
-        raise ValueError(f"ways: must be >= 1, got {ways}")
-    edges = [(n * k) // ways for k in range(ways + 1)]
-    return [(edges[k], edges[k + 1]) for k in range(ways)]
-
-
-def stagger_schedule(num_layers: int, per_group: int, ways: int) -> LoadSchedule:
-    """Groups of at most ``per_group`` layers for each of ``ways`` parts, part ``k``'s boundaries offset
-    by ``k * per_group // ways`` layers, interleaved by last layer (then part).
-
-    Every (part, layer) is in exactly one unit; units of one part go in layer order; ``ways == 1`` is
-    the plain grouping ``[0, g), [g, 2g), ...``.
-    """
-    if num_layers < 1 or per_group < 1 or ways < 1:
-        raise ValueError(f"stagger_schedule: need num_layers, per_group, ways >= 1, got "
-                         f"{num_layers}, {per_group}, {ways}")
-    per_way: list[list[StaggerUnit]] = []
-    for k in range(ways):
-        off = (k * per_group) // ways
-        cuts = sorted({0, num_layers, *range(off if off else per_group, num_layers, per_group)})
-        per_way.append([StaggerUnit(k, a, b - a) for a, b in itertools.pairwise(cuts)])
-    units = sorted((u for us in per_way for u in us), key=lambda u: (u.layer_begin + u.n_layers, u.way))
-    last = [[0] * num_layers for _ in range(ways)]
-    for i, u in enumerate(units):
-        for layer in range(u.layer_begin, u.layer_begin + u.n_layers):
-            last[u.way][layer] = i
-    ready = [max(last[k][layer] for k in range(ways)) for layer in range(num_layers)]
-    return LoadSchedule(units, ready)
-
-
-def load_schedule(num_layers: int, kv_count: int, piece_bytes: int, min_run_bytes: int, slot_bytes: int,
-                  n_pages: int, stagger_ways: int, min_part_pages: int, head: int = 0,
-                  layer_wise: bool = True, lc_major: bool = False) -> tuple[LoadSchedule, list[tuple[int, int]]]:
-    """The schedule of a staged load of ``n_pages`` pages and each part's page range (:func:`way_bounds`).
-
-    The layers from ``head`` on go by groups of :func:`group_layers` (runs of at least
-    ``min_run_bytes``), staggered over up to ``stagger_ways`` parts of at least ``min_part_pages`` pages
-    each; units and ``ready`` are numbered from layer ``head`` (the first ``head`` layers move another
-    way), and ``layer_begin`` is absolute. One group (whole pages) is never staggered: every layer is
-    ready at once anyway, and whole-page runs of consecutive host pages merge into single copies, which
-    staggering would split. Not ``layer_wise`` (the caller waits for the whole load): groups as large as a
-    slot allows, whole pages where one fits, not staggered.
-
-    ``lc_major`` (:func:`plan_group_lc`: runs of pages, not layer groups, make the copies large): one
-    layer per group when ``layer_wise``, else as many layers as let all ``n_pages`` share a slot (at
-    least one); never staggered.
-    """
-    n_layers = num_layers - head
-    per_layer = kv_count * piece_bytes
-    if lc_major:
-        per_group = 0 if per_layer > slot_bytes else (
-            1 if layer_wise else max(1, min(n_layers, slot_bytes // (per_layer * max(n_pages, 1)))))
-    else:
-        min_run = min_run_bytes if layer_wise else n_layers * per_layer
-        per_group = group_layers(n_layers, kv_count, piece_bytes, min_run, slot_bytes)
-    if per_group < 1:
-        raise ValueError(f"load_schedule: one layer ({per_layer} bytes) does not fit a slot of {slot_bytes} bytes")
-    ways = 1
-    if layer_wise and not lc_major and per_group < n_layers:
-        ways = max(1, min(stagger_ways, per_group, n_pages // min_part_pages))
-    sched = stagger_schedule(n_layers, per_group, ways)
-    if head:
-        sched = LoadSchedule([u._replace(layer_begin=u.layer_begin + head) for u in sched.units], sched.ready)
-    return sched, way_bounds(n_pages, ways)

@@ -17,11 +17,11 @@ from hicache.transfer.staged import (
     chunk_sizes,
     group_layers,
     plan_group,
-    plan_group_blocks,
     plan_group_lc,
     shift_layers,
     with_slot_base,
 )
+from hicache.transfer.staged_blocks import plan_group_blocks
 
 
 def test_group_layers() -> None:

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.transfer.staged import load_schedule, plan_group, stagger_schedule, way_bounds, with_slot_base
+from hicache.transfer.staged import plan_group, with_slot_base
+from hicache.transfer.stagger import load_schedule, stagger_schedule, way_bounds
 
 
 def test_one_way_is_the_plain_grouping() -> None:
