@@ -57,6 +57,7 @@ os.environ.setdefault("CUDA_SCALE_LAUNCH_QUEUES", "4x")
 
 import argparse
 import contextlib
+import ctypes
 import json
 import math
 import platform
@@ -455,6 +456,78 @@ def sm_carveout(n: int) -> Iterator[None]:
         torch._C._set_sm_carveout_experimental(before)
 
 
+class _PolicyWindow(ctypes.Structure):
+    """``CUaccessPolicyWindow``."""
+
+    _fields_ = [("base_ptr", ctypes.c_void_p), ("num_bytes", ctypes.c_size_t), ("hitRatio", ctypes.c_float),
+                ("hitProp", ctypes.c_int), ("missProp", ctypes.c_int)]
+
+
+class _AttrValue(ctypes.Union):
+    """``CUstreamAttrValue`` (64 bytes), holding an access-policy window."""
+
+    _fields_ = [("window", _PolicyWindow), ("pad", ctypes.c_char * 64)]
+
+
+class L2Persist:
+    """Keep staging slots in L2 while their DMA is pending (the pseudo-option ``l2_persist=MiB`` of the
+    compute sections): the device sets ``MiB`` of L2 aside for persisting lines
+    (``CU_LIMIT_PERSISTING_L2_CACHE_SIZE``), and before each staged gather or scatter the engine's lane
+    gets an access-policy window over that kernel's slot, hit property persisting. A backup's gather then
+    leaves the slot in L2 for the DMA that reads it, whatever the compute beside it streams through L2."""
+
+    CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06
+    CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW = 1
+    CU_ACCESS_PROPERTY_STREAMING, CU_ACCESS_PROPERTY_PERSISTING = 1, 2
+    CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE, CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE = 108, 109
+
+    def __init__(self, mib: int) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib.cuStreamSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        self.lib.cuCtxSetLimit.argtypes = [ctypes.c_int, ctypes.c_size_t]
+        self.lib.cuDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        self.max_persist = self._attr(self.CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE)
+        self.max_window = self._attr(self.CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE)
+        self.bytes = min(mib << 20, self.max_persist)
+        torch.cuda.synchronize()
+        self._check(self.lib.cuCtxSetLimit(self.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, self.bytes), "cuCtxSetLimit")
+
+    def _attr(self, attr: int) -> int:
+        v = ctypes.c_int(0)
+        self._check(self.lib.cuDeviceGetAttribute(ctypes.byref(v), attr, torch.cuda.current_device()),
+                    "cuDeviceGetAttribute")
+        return int(v.value)
+
+    @staticmethod
+    def _check(err: int, what: str) -> None:
+        if err != 0:
+            raise RuntimeError(f"{what} failed: CUresult {err}")
+
+    def window(self, stream: torch.cuda.Stream, base: int, nbytes: int) -> None:
+        v = _AttrValue()
+        v.window = _PolicyWindow(base, min(nbytes, self.max_window), 1.0, self.CU_ACCESS_PROPERTY_PERSISTING,
+                                self.CU_ACCESS_PROPERTY_STREAMING)
+        self._check(self.lib.cuStreamSetAttribute(ctypes.c_void_p(stream.cuda_stream),
+                                                  self.CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW, ctypes.byref(v)),
+                    "cuStreamSetAttribute")
+
+    def attach(self, eng: CudaTransferEngine) -> None:
+        """Wrap ``eng``'s per-slot kernel launches so that each runs under a window over its slot."""
+        launch = eng._launch_stage
+
+        def wrapped(lane: torch.cuda.Stream, plans: Any, idx_ptr: int, ch: Any, shape: Any, layer_begin: int,
+                    n_layers: int, to_host: bool, base: int, st: Any, lo: int = 0) -> None:
+            self.window(lane, base, st.slot_bytes)
+            launch(lane, plans, idx_ptr, ch, shape, layer_begin, n_layers, to_host, base, st, lo)
+
+        eng._launch_stage = wrapped  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        torch.cuda.synchronize()
+        self.lib.cuCtxResetPersistingL2Cache()
+        self._check(self.lib.cuCtxSetLimit(self.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0), "cuCtxSetLimit")
+
+
 class Compute(NamedTuple):
     """An attention-like load for the slowdown sections: ``time(k)`` runs ``k`` steps, returns seconds."""
 
@@ -559,6 +632,7 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
         # SMs the compute leaves free beside the transfers (cuBLAS only); its alone samples keep them all, so
         # the slowdown includes what the carveout costs the compute
         carve = int(kw.pop("sm_carveout", 0))
+        persist_mib = int(kw.pop("l2_persist", 0))  # MiB of L2 for the staging slots (see L2Persist)
         if kib not in setups:
             setups[kib] = Setup(layout_for_piece(kib << 10, args.layers), args.total_mib << 20, seed=90 + kib)
         s = setups[kib]
@@ -567,6 +641,10 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
                                                  else s.engine(io_backend=backend, **kw))
         if join and isinstance(eng, CudaTransferEngine):
             eng.load = joined_loads(eng, eng.load)  # type: ignore[method-assign]
+        persist = None
+        if persist_mib and isinstance(eng, CudaTransferEngine):
+            persist = L2Persist(persist_mib)
+            persist.attach(eng)
         if direction == "d2h":
             one = partial(_backup, eng, s)
         elif layer_wise or not isinstance(eng, CudaTransferEngine):
@@ -603,6 +681,8 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
             alone_ms.append(t_alone * 1e3)
             gbps.append(m * s.bytes / (burst.start.elapsed_time(burst.end) / 1e3) / GB)
         eng.close()
+        if persist is not None:
+            persist.close()
         carve_alone = 0.0
         if carve:
             carve_alone = median([after_gap(None, gap, carve)[0] for _ in range(args.reps)])
@@ -626,6 +706,7 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
                                "host_submit_ms": t_submit * 1e3, "device_ms": t_alone_transfer * 1e3,
                                "late_pairs": late_pairs, "layer_wise": layer_wise, "options": kw,
                                "join_loads": bool(join), "sm_carveout": carve,
+                               "l2_persist_bytes": persist.bytes if persist is not None else 0,
                                "compute_carveout_alone_ms": carve_alone * 1e3,
                                "carveout_slowdown": carve_alone * 1e3 / median(alone_ms) - 1 if carve else 0.0}
         rows.append(row)
@@ -639,6 +720,8 @@ def bench_compute(args: argparse.Namespace, ceil: dict[str, float], compute: Com
               + (f" [{late_pairs} of {args.reps} submitted late]" if late_pairs else "")
               + ("" if layer_wise else " whole loads") + (" join_loads" if join else "")
               + (f" sm_carveout={carve} (alone with it {100 * row['carveout_slowdown']:+.1f}%)" if carve else "")
+              + (f" l2_persist={row['l2_persist_bytes'] >> 20} MiB (of at most {persist.max_persist >> 20}, window"
+                 f" at most {persist.max_window >> 20})" if persist is not None else "")
               + "".join(f" {k}={v}" for k, v in kw.items() if k != "blocks"), flush=True)
     return rows
 
@@ -815,8 +898,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compute-configs", type=parse_config, nargs="*", default=[],
                    help="sections gemm, sdpa: instead of the fixed rows, the pinned copies and these rows, each "
                         "DIRECTION:PATH[:key=value,...] (h2d|d2h, pinned|kernel|copy_engine|staged; options "
-                        "include piece_kib, layer_wise=0 and sm_carveout=N: the GEMMs leave N SMs free, slowdown still "
-                        "against the GEMM on every SM)")
+                        "include piece_kib, layer_wise=0, sm_carveout=N: the GEMMs leave N SMs free, slowdown still "
+                        "against the GEMM on every SM, and l2_persist=MiB: staging slots persist in L2 until their "
+                        "DMA, see L2Persist)")
     p.add_argument("--blocks-sweep", type=int, nargs="+", default=[4, 1, 2, 8])
     p.add_argument("--loop-cap", type=int, default=8192, help="most copies timed in the per-page loop")
     p.add_argument("--host-layout", default="page_first", choices=["page_first", "layer_first", "block_first"],
