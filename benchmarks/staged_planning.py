@@ -15,7 +15,7 @@ over the pool, and three plans are made of them, as the CUDA engine makes them:
 Each row prints the copies, the chunks and the planning time of a layer-wise load and of a backup, and
 the ratios of copies and time to the page-first plan of the same pages.
 
-    python benchmarks/staged_planning.py [--reps 20] [--json out/staged_planning.json]
+    python benchmarks/staged_planning.py [--reps 20] [--json out/staged_planning.json]   (the default path)
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-pages", type=int, default=65536, help="L2 pages the allocator churns")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, default=Path("out/staged_planning.json"))
     args = p.parse_args(argv)
     rows: list[dict[str, Any]] = []
     for kib in args.pieces:

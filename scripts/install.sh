@@ -10,7 +10,9 @@ if ! $PY -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     $PY -m pip install -q "torch>=2.11,<2.15"
   else
-    $PY -m pip install -q "torch==2.13.0" || $PY -m pip install -q "torch>=2.11,<2.15" --index-url https://download.pytorch.org/whl/cpu
+    # the CPU index first (PyPI's default Linux build pulls the CUDA libraries), else whatever pip finds
+    $PY -m pip install -q --retries 1 --timeout 20 "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
+      || $PY -m pip install -q "torch==2.13.0"
   fi
 fi
 if [[ "${1:-}" == "--dev" ]]; then

@@ -89,7 +89,8 @@ class FileBackend(StorageBackend):
             raise ValueError(f"file store io_threads: must be >= 0 (0: scale with the cpus), got {io_threads}")
         io_threads = io_threads or min(16, max(4, os.cpu_count() or 4))
         if write_threads < 0:
-            raise ValueError(f"file store write_threads: must be >= 0 (0: io_threads // 4), got {write_threads}")
+            raise ValueError(f"file store write_threads: must be >= 0 (0: max(2, io_threads // 4)), "
+                             f"got {write_threads}")
         check_nice("file store write_nice", write_nice)
         write_threads = write_threads or max(2, io_threads // 4)
         scheme = urlparse(url).scheme

@@ -56,7 +56,8 @@ I/O backends (``io_backend``):
   layers become ready about ``ways`` times as often (:func:`~hicache.transfer.stagger.stagger_schedule`).
   ``staging_bytes`` (default ``DEFAULT_STAGING_BYTES``, 256 MiB, device memory taken on first use) is
   split into slots of at most ``LOAD_SLOT_BYTES`` (16 MiB; at least four slots) used in turn; backups
-  use four slots of at most ``BACKUP_SLOT_BYTES`` (8 MiB), which stay in L2 between gather and DMA.
+  use ``backup_slots`` slots (16 with lanes, else 4) of at most ``BACKUP_SLOT_BYTES`` (8 MiB), which stay
+  in L2 between gather and DMA.
   The per-slot kernels go on ``stage_lanes`` streams (slot ``s`` on lane ``s % lanes``), so that beside
   compute that holds every SM each landed slot's kernel is already queued when SMs free up; the stage
   stream orders transfers (a load joins its lanes there, where its per-layer events are recorded).
@@ -100,7 +101,8 @@ I/O backends (``io_backend``):
 * ``auto``: per transfer, the copy engine when its copies average at least ``ce_min_copy_bytes``
   (default 64 KiB: measured on H200/PCIe Gen5, the copy engine then runs at the link ceiling with
   no SM use, and its per-copy submission cost stays below the copy time); else the staged path where
-  the host pool is page-first; else the kernel.
+  the host pool is page-first, or where its pages' runs of consecutive host pages average at least
+  ``ce_min_copy_bytes // 2`` (layer-first and block-first pools); else the kernel.
 
 Host memory: the host pool's buffer is used in place. When it is not already pinned (e.g. a
 ``HostPool(..., pin_memory=False)`` of tens of GB, which avoids the caching pinned allocator's
