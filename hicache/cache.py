@@ -13,7 +13,9 @@ Threading model:
 
 * Every public method may be called from any thread; the tree, both allocators' bookkeeping and every
   request's state are protected by one re-entrant lock, ``self._lock`` (the *tree lock*). Calls hold it
-  only for bookkeeping -- never across a page copy or an L3 round trip.
+  for bookkeeping, never across an L3 round trip; some also wait under it for L1 -> L2 copies already in
+  flight (``evict``, ``clear``, ``flush``, an allocation under pressure, a ``write_back`` eviction) and,
+  with ``writeback_when_full: block``, for room in the L3 writeback queue.
 * Background work: the transfer engine's worker/streams copy pages; the prefetcher's threads read L3
   into host pages a :class:`PrefetchTask` owns; one writeback thread writes L2 pages (pinned in the tree
   until written) to L3. Their completions are folded in under the tree lock (``_reap``).
@@ -42,7 +44,7 @@ from hicache.transfer import TransferHandle, create_engine
 
 __all__ = ["CacheFullError", "CommitResult", "HiCache", "LoadResult", "PinInfo", "Request"]
 
-SELECTIVE_THRESHOLD = 2  # write_through_selective backs a node up at its second hit
+SELECTIVE_THRESHOLD = 2  # write_through_selective backs a node up at its second use (the insert is the first)
 
 
 class HiCache:
@@ -433,11 +435,13 @@ class HiCache:
         ``device_pages`` the L1 pages of every full page of it, in order (the prefix's pages from
         ``req.device_indices`` followed by pages from :meth:`alloc`).
 
-        ``priority`` (with ``eviction_policy: priority``) is recorded on every node of the path, the
-        highest value winning on shared prefixes: lower priorities are evicted first.
+        ``priority`` (with ``eviction_policy: priority``; lower priorities are evicted first) is set on
+        the path's last node, the latest commit deciding, and raised on every node above it, where the
+        highest value wins.
 
         The request's lock moves to the end of the inserted run. Pages the tree already held are freed
-        if the request owned them. Write policy: write_through backs the new pages up to L2 now.
+        if the request owned them. Write policy: write_through backs up now every node of the path that
+        has no L2 copy yet (the prefix's included; ``backed_up_pages`` counts them all).
         """
         self._check_open(req)
         self._check_ns(req.ns)
@@ -499,8 +503,8 @@ class HiCache:
         return np.concatenate(parts[::-1]) if parts else EMPTY
 
     def release(self, req: Request) -> None:
-        """End the request: unlock, unpin, cancel its prefetch, free pages it still owns. Idempotent
-        calls are errors: a second release raises ``ValueError``."""
+        """End the request: unlock, unpin, cancel its prefetch, free pages it still owns. Not idempotent:
+        a second release raises ``ValueError``."""
         if req.released:
             raise ValueError("release: request already released")
         task = req.prefetch
@@ -592,10 +596,10 @@ class HiCache:
 
     def clear(self) -> tuple[int, int]:
         """Drop every L1 and L2 page that no request holds, no pin keeps and no copy in flight uses;
-        returns the pages freed on (L1, L2). The store (L3) is not touched. Nothing is backed up on the way,
-        whatever the write policy. For a cold start between benchmark runs, or after a mistake such as
-        serving different weights under the same model revision (fix the revision: L3 still has pages
-        under those keys)."""
+        returns the pages freed on (L1, L2). The store (L3) is not touched. No backup is started, whatever
+        the write policy; backups already in flight are finished first (and queued for L3). For a cold
+        start between benchmark runs, or after a mistake such as serving different weights under the same
+        model revision (fix the revision: L3 still has pages under those keys)."""
         with self._lock:
             self._reap(wait=True)
             l1 = l2 = 0

@@ -15,7 +15,8 @@ from hicache.transfer import TransferHandle
 
 
 class CacheFullError(RuntimeError):
-    """Not enough free or evictable pages (everything is locked by requests in flight)."""
+    """Not enough free or evictable pages (everything is locked by requests in flight), or a pin would
+    take more than ``cache.max_pinned_fraction`` of a tier."""
 
 
 @dataclass
@@ -24,8 +25,8 @@ class Request:
 
     ns: Namespace
     token_bytes: bytes  # tokens of the full pages, uint32 LE
-    keys: list[bytes]  # page key of every full page
-    l1_pages: int  # pages hit on L1 (already loaded, locked)
+    keys: list[bytes]  # page key of every full page (empty when matched with keys=False and no L3 lookup)
+    l1_pages: int  # pages hit on L1 (locked; some may still be loading for another request: ``pending``)
     l2_pages: int  # pages continuing it on L2
     l3_pages: int  # pages continuing that on L3 (0 without a store)
     device_indices: np.ndarray  # L1 pages of the usable prefix, in order (grows after load_back)
@@ -65,7 +66,8 @@ class PinInfo(NamedTuple):
 
 
 class LoadResult(NamedTuple):
-    handle: TransferHandle | None  # per-layer readiness of the pages loaded now (None: nothing to load)
+    handle: TransferHandle | None  # per-layer readiness of every load the prefix depends on (others' earlier
+    # loads and this one); None when none is pending
     device_indices: np.ndarray  # L1 pages of the whole usable prefix, in order
     l2_pages: int  # pages loaded from L2
     l3_pages: int  # of which came from L3 through prefetch

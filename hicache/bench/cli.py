@@ -85,7 +85,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="KV layout for bytes and times: llama-3.1-8b | llama-3.1-70b | qwen2.5-7b | deepseek-v3 | "
                    "small | tiny")
     g.add_argument("--prefill-rate", default="41000", help="prefill tokens/s (default 41000: 8B-shaped model, "
-                   "eager PyTorch, H200), or 'measure' (reference decoder of --model-layout's shape, this machine)")
+                   "eager PyTorch, H200), or 'measure' (reference decoder of --model-layout's shape, this machine; "
+                   "llama-3.1-8b, small and tiny only)")
     g.add_argument("--l2-bandwidth", type=float, default=50e9, help="L2 -> L1 bytes/s (default 50e9)")
     g.add_argument("--l3-bandwidth", type=float, default=2e9, help="L3 -> L1 bytes/s (default 2e9)")
     g.add_argument("--capacities", default="5,10,20,30,50,75,100",

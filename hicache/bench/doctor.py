@@ -6,9 +6,11 @@
    ``max_span`` tokens), the request's tokens in between are a *volatile span*: something small that
    changes per request (a timestamp, an id, a name) in front of content that would otherwise be reused.
    Spans over text are widened to whole date/number/id tokens and classified by regex.
-3. Spans are grouped by their anchors (the tokens just before and after them).
-4. The fix is simulated: in every prompt, each group's span (found by its anchors) is moved to the end.
-   Hit rates before and after are compared (infinite capacity and the given L1 capacity).
+3. Spans are grouped by the tokens just after them (where the prompts re-synchronise) and their kind.
+4. The fix is simulated group by group, the groups that lose most tokens first (at most ``max_groups``):
+   in every prompt, the group's span is moved to the end, and the move is kept if it raises the hit rate
+   at infinite capacity. Hit rates before and after are compared (infinite capacity and the given L1
+   capacity).
 
 Advice follows the article's rule: under 60% fix the prompt structure; above 60% with little gain from
 the fix, add tiers.
@@ -38,7 +40,7 @@ KINDS: list[tuple[str, re.Pattern[str]]] = [
 
 
 def classify(text: str) -> str:
-    """Kind of a diverging span from its text (``opaque`` when there is no text)."""
+    """Kind of a diverging span from its text (``opaque tokens`` when there is no text)."""
     if not text or ("<" in text and ">" in text and not re.search(r"[A-Za-z]{2,}", re.sub(r"<\d+>", "", text))):
         return "opaque tokens"
     compact = re.sub(r"\s+(?=[-:/.])|(?<=[-:/.])\s+", "", text.strip())
@@ -54,7 +56,7 @@ def classify(text: str) -> str:
 
 @dataclass
 class SpanGroup:
-    """Volatile spans sharing anchors: the same field in every prompt."""
+    """Volatile spans with the same right anchor and kind: the same field in every prompt."""
 
     right: tuple[int, ...]  # tokens just after the span (up to 3): where the prompts re-synchronise
     kind: str
@@ -78,7 +80,8 @@ class DoctorReport:
     misses_diverging: int  # requests whose miss re-synchronises with an earlier prompt
     misses_new_content: int  # requests that simply continue with content never seen
     groups: list[SpanGroup]  # groups whose move to the end helps, most tokens lost first
-    rejected: list[SpanGroup]  # found, but moving them does not help (e.g. a per-conversation id)
+    rejected: list[SpanGroup]  # found, not kept: moving them did not help (e.g. a per-conversation id), or
+    # beyond max_groups (not tried)
     before_infinite: float
     after_infinite: float
     before_capacity: float | None  # at the L1 capacity with the eviction policy (None: not run)

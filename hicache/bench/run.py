@@ -187,7 +187,8 @@ class BenchResult:
     reused_tokens: int  # tokens not recomputed
     prefill_seconds_saved: float
     prefill_seconds_total: float  # recomputing every prompt token
-    optimal_same_capacity: float  # Belady at L1+L2 (infinite when an unbounded L3 is present)
+    optimal_same_capacity: float  # Belady at L1+L2 (infinite with an in-process L3 store and L2 > 0;
+    # a remote target's: L1+L2)
     optimal_l1: float  # Belady at the L1 capacity alone
     infinite: float  # every page seen before hits
     curve: list[CurvePoint]

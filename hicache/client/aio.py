@@ -1,4 +1,5 @@
-"""asyncio client of the node service: the same calls as :class:`hicache.client.HiCacheClient`, awaited.
+"""asyncio client of the node service: the calls of :class:`hicache.client.HiCacheClient` (all but
+``attach_info``), awaited; ``match_stream`` can also pipeline.
 
 One channel multiplexes any number of concurrent calls (HTTP/2 streams), so a scheduler can keep many
 Match calls in flight from one event loop:

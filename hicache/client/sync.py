@@ -7,9 +7,11 @@
         c.commit("r1", tokens, np.concatenate([m.device_indices, pages]))
         c.release("r1")
 
-Every call has a deadline (``timeout_s``, default 10 s); unary calls that fail with UNAVAILABLE are
-retried with exponential backoff (:class:`RetryPolicy`). Errors surface as ``grpc.RpcError`` with the
-server's status code and message.
+Unary calls, ``prefetch``, ``read_pages`` and ``write_pages`` have a deadline (``timeout_s``, default
+10 s); ``watch_events`` and ``match_stream`` have none by default. Unary calls that fail with UNAVAILABLE
+are retried with exponential backoff (:class:`RetryPolicy`). Errors surface as ``grpc.RpcError`` with
+the server's status code and message; a refusal inside a ``match_stream`` session raises
+:class:`~hicache.client.CallError` with the same code and message.
 """
 
 from __future__ import annotations
