@@ -5,8 +5,9 @@ A backend stores whole pages by page key. Its contract:
 * ``batch_exists(keys)`` -> how many keys *from the first* are present (hits are a contiguous prefix,
   because key i names page i and everything before it).
 * ``batch_get(keys, host_pool, host_indices)`` -> ``n``: pages ``0..n-1`` were read into the given L2
-  pages, verified (namespace, key, length, checksum); reading stops at the first missing or damaged page.
-  A damaged or foreign page is a miss, never a wrong page.
+  pages, verified (namespace, key, length, checksum): ``n`` is the length of the unbroken run of good
+  pages from the first. A backend may read the whole batch; host pages from ``n`` on are undefined. A
+  damaged or foreign page is a miss, never a wrong page.
 * ``batch_set(keys, host_pool, host_indices)`` -> how many pages from the first were stored.
 * ``delete(keys)`` -> how many existed; ``stats()`` -> :class:`StorageStats`; ``close()``.
 * Operations never raise for a store that is down or slow: they count the error and report a miss /
@@ -56,7 +57,7 @@ class StorageStats:
     bytes_read: int = 0
     bytes_written: int = 0
     corrupt_pages: int = 0  # frames that failed verification (counted as misses)
-    errors: int = 0  # operations that failed on the store (down, timeout, ...)
+    errors: int = 0  # store failures (down, timeout, ...): per page for files, per operation for Redis
     extra: dict[str, Any] = field(default_factory=dict)
 
 

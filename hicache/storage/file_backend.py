@@ -17,13 +17,15 @@ and the rename. Temporary files older than ``tmp_max_age_s`` are removed when th
 object stores (s3, gs), where an object only appears once its upload completed, pages are written in
 place.
 
-Size cap (``max_bytes``, 0 = none): the backend tracks the pages it knows of (scanned when opened and
-every ``rescan_s`` seconds, plus its own writes; reads refresh a page) and, when the total passes the
-cap, deletes the oldest pages until it is below ``sweep_to`` of the cap.
+Size cap (``max_bytes``, 0 = none): the backend tracks the pages it knows of (scanned when opened, and
+again at most every ``rescan_s`` seconds during writes; plus its own writes; reads refresh a page) and,
+when the total passes the cap, deletes the oldest pages until it is below ``sweep_to`` of the cap. A
+rescan orders the pages by file time again, so it forgets what reads refreshed since.
 
 Options: ``max_bytes``, ``sweep_to`` (0.9), ``shard_levels`` (2), ``tmp_max_age_s`` (600),
 ``rescan_s`` (60), ``io_threads`` (0 = min(16, max(4, cpus)): pages of a read are fetched and verified
-in parallel), ``write_threads`` (0 = max(2, io_threads // 4): pages of a write, in parallel),
+in parallel, except on a local filesystem with pages under 256 KiB, and for one page, which run on the
+caller's thread), ``write_threads`` (0 = max(2, io_threads // 4): pages of a write, in parallel),
 ``write_nice`` (10: the write threads lower their own CPU priority by this much, on Linux; 0 = off),
 ``filesystem`` (a ``pyarrow.fs.FileSystem`` object to use instead of resolving the
 URL; its path part is the root), ``delete_corrupt``
@@ -31,7 +33,8 @@ URL; its path part is the root), ``delete_corrupt``
 written; it never raises into the caller.
 
 Writes are background work (L2 -> L3 writeback) while reads sit on a request's path, so they run on
-separate threads: a small write pool whose threads yield the CPU to everything else (``write_nice``).
+separate threads: a small write pool whose threads yield the CPU to everything else (``write_nice``);
+local pages under 256 KiB are written on the calling thread (the writeback's own).
 Writing a page costs CPU (its checksum, the kernel's copy into the page cache); with as many writers as
 cores, a burst of writeback starved the thread that drives the GPU and slowed a prefill running beside
 it.
@@ -231,8 +234,8 @@ class FileBackend(StorageBackend):
 
     # ------------------------------------------------------------------ batch helpers
     def _map(self, fn: Callable[[int], int], n: int, write: bool = False) -> list[int]:
-        """Run ``fn(i)`` for i in range(n) on the read (or ``write``) threads; an exception in one page is
-        an ERROR."""
+        """Run ``fn(i)`` for i in range(n) on the read (or ``write``) threads: a missing file is a MISS,
+        any other ``OSError`` an ERROR; other exceptions (bugs) propagate."""
         def safe(i: int) -> int:
             try:
                 return fn(i)

@@ -11,13 +11,14 @@ URLs::
 
 Options (URL query or keyword arguments, keywords win): ``prefix`` (key prefix, default ``"hicache:"``),
 ``ttl_s`` (expire pages; 0 = never), ``touch_on_read`` (reads push the TTL out, default true),
-``timeout_s`` (per socket operation), ``connect_timeout_s``, ``max_connections`` (per node),
+``timeout_s`` (per socket operation), ``connect_timeout_s``, ``max_connections`` (a node's pool, and
+the backend's limit on operations in flight),
 ``retry_attempts`` / ``retry_base_s`` / ``retry_max_s`` (transient errors), ``breaker_base_s`` /
 ``breaker_max_s`` (how long a store that failed is left alone before a probe), ``delete_corrupt``
 (drop a page that failed verification, default true), ``wire`` (``raw``: the zero-copy path of
 :mod:`hicache.storage.resp`, the default; ``pipeline``: plain redis-py pipelines), ``sentinel_password``,
-``hash_threads`` (frame checksums run there, overlapped with the socket; writes use half of them, as
-lower-priority background threads: ``write_nice``, default 10, 0 = off), ``ssl_ca_certs``,
+``hash_threads`` (frame checksums run there, overlapped with the socket; writes hash on a pool of
+half as many lower-priority background threads: ``write_nice``, default 10, 0 = off), ``ssl_ca_certs``,
 ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs`` (:class:`~hicache.storage.redis_options.RedisOptions`;
 :mod:`hicache.storage.redis_options` also turns the URL into a client).
 
@@ -29,11 +30,13 @@ parts run in parallel, each one pipelined on one connection.
 Reads land straight in the host pages and are verified there; only pages ``0..n-1`` of a ``batch_get``
 that returned ``n`` hold valid data (later pages may have been overwritten with rejected bytes).
 
-Failure model: every operation is retried on transient errors with backoff; when it still fails the
-error is counted, the operation reports a miss / nothing stored, and a circuit breaker keeps later
-operations off the store until a probe succeeds (:mod:`hicache.storage.retry`). Nothing raises into the
-caller. Connections are re-established by themselves when the store returns; a Cluster's slot map is
-refreshed after redirects and errors.
+Failure model: every operation is retried on transient errors (connection, timeout, waiting longer than
+``timeout_s`` for a connection, MOVED / LOADING / ...) with backoff; when it still fails the error is
+counted, the operation reports a miss / nothing stored, and a circuit breaker keeps later operations off
+the store until a call succeeds (:mod:`hicache.storage.retry`). Other errors are counted and reported
+the same way but leave the breaker closed. Nothing raises into the caller. Connections are
+re-established by themselves when the store returns; a Cluster's slot map is refreshed after redirects
+and errors.
 """
 
 from __future__ import annotations
@@ -125,8 +128,9 @@ class RedisBackend(StorageBackend):
         self._cluster: RedisCluster | None = None
         self._cluster_lock = threading.Lock()
         self._nodes_pool: ThreadPoolExecutor | None = None
-        # Operations in flight hold one connection each: never more than a node's pool allows (a full
-        # pool would otherwise fail an operation, which would look like a dead store).
+        # Operations in flight hold one connection each: never more than a pool allows (a full pool would
+        # fail an operation at once). One limit for the whole backend; waiting longer than timeout_s for a
+        # slot is a transient failure like a timeout.
         self._slots = threading.BoundedSemaphore(o.max_connections)
         hash_threads = o.hash_threads or min(8, max(2, os.cpu_count() or 2))
         self._hasher = io_pool(hash_threads, "hicache-redis-hash")  # reads: verification on a request's path
@@ -326,8 +330,8 @@ class RedisBackend(StorageBackend):
         return b"\r\n"
 
     def _hash_ahead(self, payloads: list[memoryview], keys: list[bytes]) -> list[tuple[Future[list[bytes]], int]]:
-        """Frame headers computed on the hash threads, ahead of the socket (hashlib releases the GIL), in
-        groups of about 1 MiB; returns (future, index in its group) per page."""
+        """Frame headers computed on the hash threads, ahead of the socket (xxhash releases the GIL for
+        large inputs), in groups of about 1 MiB; returns (future, index in its group) per page."""
         ns = self.ctx.namespace_digest
         out: list[tuple[Future[list[bytes]], int]] = []
         for lo in range(0, len(payloads), self._group):

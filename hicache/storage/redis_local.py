@@ -9,7 +9,8 @@ Used by the tests, the storage benchmark and anyone who wants a throw-away store
     with LocalRedis() as r, LocalSentinel(r) as s:  # s.url == "redis+sentinel://127.0.0.1:<p>/mymaster/0"
         ...
 
-Servers run without persistence, in a temporary directory that is removed on :meth:`stop`. A single
+Servers run without persistence, in a temporary directory that is removed on :meth:`stop` (a
+``workdir`` given by the caller is kept). A single
 instance can be killed (``kill()``, SIGKILL: the store vanishes mid-run) and started again on the same
 port (``start()``). :func:`redis_server_binary` is None when ``redis-server`` is not installed.
 """
@@ -81,10 +82,11 @@ class LocalRedis:
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", str(self.dir), "--logfile", str(self.dir / "redis.log"), "--protected-mode", "no",
-                "--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "1gb", *self.extra]
+                "--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "1gb"]
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.dir / "nodes.conf"),
                      "--cluster-node-timeout", "2000"]
+        args += self.extra  # last: redis-server takes the last value of an option given twice
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         c = self.client()
@@ -184,7 +186,7 @@ class LocalSentinel:
 class LocalRedisCluster:
     """``masters`` cluster-enabled servers joined into one Cluster, slots split evenly, each master with
     ``replicas`` replicas (``nodes``: the masters first). ``node_timeout_ms`` is how long a node may be
-    unreachable before the others fail it over (Redis' default when None)."""
+    unreachable before the others fail it over (2000 ms when None)."""
 
     def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int | None = None) -> None:
         if masters < 3:

@@ -6,7 +6,8 @@
 * :class:`CircuitBreaker` -- once an operation has failed after its retries, the store is presumed down:
   for a cooldown (doubling from ``base_s`` up to ``max_s`` while failures continue) operations are refused
   at once instead of each one waiting for its own timeouts. After the cooldown one caller probes; its
-  success closes the breaker (the store came back), its failure opens it again. This is what keeps a dead
+  failure opens the breaker again, and any success (the probe's, or a late one of a call that started
+  earlier) closes it (the store came back). This is what keeps a dead
   store from slowing every request down, and what brings L3 back by itself.
 
 Both are thread-safe and take an injectable clock / sleep for tests.

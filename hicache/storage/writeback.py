@@ -1,7 +1,8 @@
 """Background L2 -> L3 writeback: a bounded queue drained in batches by one worker thread.
 
 ``submit(keys, host_pages, on_done)`` queues pages whose L2 copies the caller keeps pinned until
-``on_done(written)`` is called (from a completion thread, exactly once per accepted submission, with
+``on_done(written)`` is called (from the completion thread, or at once in ``submit`` for an empty
+submission; exactly once per accepted submission, with
 how many of its pages the store accepted; never while the queue waits on it). Queued submissions are
 coalesced into ``batch_pages``-page ``batch_set`` calls. When the queue (``max_pages``) is full the
 configured choice applies: ``block`` waits for room (up to ``block_timeout_s``, then drops), ``drop``

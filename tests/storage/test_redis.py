@@ -186,7 +186,7 @@ def test_cluster_failover_keeps_pages_and_serving(open_backend, prefix) -> None:
     """A 3-master Cluster with a replica each: SIGKILL a master, its replica takes over its slots, the
     backend follows the new slot map, and every page written before (replicated) still reads back."""
     from hicache.storage.redis_local import LocalRedisCluster
-    with LocalRedisCluster(3, replicas=1, node_timeout_ms=500) as cl:
+    with LocalRedisCluster(3, replicas=1) as cl:  # nodes fail over after 2 s unreachable
         b = open_backend(cl.url, prefix=prefix, **FAST_FAIL)
         keys = page_keys(48, "cluster-failover")
         src, dst = make_pool(64, seed=19), make_pool(64, seed=None)
