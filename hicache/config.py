@@ -95,7 +95,7 @@ class CacheConfig:
     l1_tokens: int = 65536  # L1 (device) capacity in tokens, rounded down to whole pages
     l2_tokens: int = 262144  # L2 (host) capacity in tokens; 0 disables L2
     host_layout: str = "page_first"  # page_first | layer_first | block_first (hicache.pool)
-    host_block_pages: int = 0  # block_first: pages per block; 0 = the fewest whose per-layer run is 64 KiB
+    host_block_pages: int = 0  # block_first: pages per block; 0 = pool.default_block_pages
     write_policy: str = "write_through_selective"
     eviction_policy: str = "reuse_lru"  # LRU, learned one-off leaves first (hicache.eviction.ReuseLRU)
     io_backend: str = "auto"  # auto | cpu | kernel | copy_engine | staged

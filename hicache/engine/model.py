@@ -2,7 +2,7 @@
 
 Paged forward (what the serving node runs)::
 
-    batch = make_batch(tokens, segments, page_size, device)   # one Segment per sequence
+    batch = make_batch(tokens, prefixes, pages, page_size, device)   # one Segment per sequence
     logits = model.forward_paged(batch, pool.kv, layer_ready)  # [num_segments, vocab] (last token of each)
 
 Each segment's new tokens get their K/V (or MLA latent) written into the L1 pool at
@@ -118,9 +118,10 @@ class Decoder:
         self.shape = shape
         self.dtype = dtype
         self.device = torch.device(device)
-        # How prefill batches of several segments attend (MHA / GQA; MLA always takes "padded"): "ragged"
-        # packs the segments without padding and attends to a prefix they all share once (attention.py);
-        # "padded" gathers every segment's pages into one padded tensor and masks.
+        # How prefill batches of several segments attend (MHA / GQA; MLA never takes "ragged": "padded"
+        # where its tables fit, else one segment at a time): "ragged" packs the segments without padding
+        # and attends to a prefix they all share once (attention.py); "padded" gathers every segment's
+        # pages into one padded tensor and masks.
         self.attention_path = "ragged"
         self.w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
         rd = shape.rope_dim if shape.attention == "mla" else shape.head_dim

@@ -2,8 +2,9 @@
 the cache lives on.
 
 :class:`~hicache.cache.HiCache` satisfies :class:`CachePort` in-process as it is; :class:`NoCachePort` is
-the baseline that never hits (same pool, same allocation path, nothing kept); :func:`grpc_port` wraps the
-node-service client when it is installed. The node has one code path for all of them::
+the baseline that never hits (same pool, same allocation path, nothing kept);
+:class:`~hicache.engine.grpc_port.GrpcCachePort` wraps the node-service client when it is installed.
+The node has one code path for all of them::
 
     req = port.match(tokens)                     # .device_indices, .l1_pages, .l2_pages, .l3_pages
     port.prefetch(req)

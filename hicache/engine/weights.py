@@ -50,7 +50,7 @@ def weight_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
 
 def random_weights(shape: ModelShape, seed: int = 0, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu") -> Weights:
-    """Gaussian weights scaled by 1/sqrt(fan_in) (norm weights 1): activations stay O(1) at any depth
+    """Gaussian weights scaled by 1/sqrt(fan_in) (embeddings std 1, norm weights 1): activations stay O(1) at any depth
     of a tiny model, so attention over the cached prefix visibly shapes the logits."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)

@@ -5,7 +5,7 @@ Contract:
 * ``load(host_idx, device_idx)`` copies host pages ``host_idx[i]`` into device pages ``device_idx[i]``
   for every layer and returns a :class:`TransferHandle` right away. Layers complete in order;
   ``wait_layer(i)`` returns once layer ``i`` is readable by the caller's compute (on CUDA: the compute
-  stream waits on layer ``i``'s event, no host synchronisation), ``wait()`` once all are, and ``done()``
+  stream waits on layer ``i``'s event or flag, no host synchronisation), ``wait()`` once all are, and ``done()``
   polls without blocking. An engine may submit a layer-wise load's later layers from these calls rather
   than inside ``load`` (the CUDA engine's ``submit_ahead``): a caller observes a load only through its
   handle, or the engine's ``synchronize``/``close``, never through a device-wide synchronisation alone.
@@ -40,7 +40,8 @@ class TransferHandle(abc.ABC):
 
     @abc.abstractmethod
     def wait(self) -> None:
-        """Until every layer has landed; re-raises a copy failure."""
+        """Until every layer has landed; raises if a copy failed (the CPU engine wraps the cause in a
+        ``RuntimeError``)."""
 
     @abc.abstractmethod
     def done(self) -> bool:

@@ -539,9 +539,11 @@ class CudaTransferEngine(StagedPath, TransferEngine):
             self._deferred.run_all()
 
     def load(self, host_idx: np.ndarray, device_idx: np.ndarray, layer_wise: bool = True) -> TransferHandle:
-        """See :meth:`TransferEngine.load`. A staged load that is not ``layer_wise`` moves whole pages (one
-        layer group, no stagger, no head), at the copy engine's full rate (H200, 32-layer loads of 4-16 KiB
-        pieces: 0.99 of the link, against 0.89-0.95 in staggered layer groups)."""
+        """See :meth:`TransferEngine.load`. A staged load that is not ``layer_wise`` is never staggered and
+        has no head: on a page-first pool it moves whole pages where one fits a slot (one layer group), at
+        the copy engine's full rate (H200, 32-layer loads of 4-16 KiB pieces: 0.99 of the link, against
+        0.89-0.95 in staggered layer groups); on other pools as many layers per group as let every page
+        share a slot."""
         src, dst = self._check(host_idx, device_idx, self.host_pool.num_pages, self.device_pool.num_pages)
         return self._submit(dst, src, to_host=False, layer_wise=layer_wise)
 

@@ -112,7 +112,8 @@ class KernelCopier:
     """Launches page copies on a given stream with a capped grid.
 
     ``blocks`` x ``threads`` is the most the kernel ever uses; a small copy gets fewer blocks. The engine
-    uses one copier per direction with the defaults above.
+    uses one copier per direction (``blocks``), one for the staged path's device-side copies
+    (``stage_blocks``) and, where ``load_head_layers`` > 0, one for head layers (``head_blocks``).
     """
 
     def __init__(self, geometry: CopyGeometry, device_index: int, blocks: int = DEFAULT_BLOCKS,

@@ -15,10 +15,10 @@ class Stager:
     """One direction's staging buffer: slots used in turn, a stage stream, a few lanes (streams) for the
     per-chunk device-side copies, and for each slot the event after which it may be refilled.
 
-    The stage stream orders transfers: :meth:`begin` makes it wait for a transfer's dependencies and
-    fetch its indices, and the lanes start that transfer's copies only after it. A load joins every
-    chunk's lane back into the stage stream (its per-layer events are recorded there), so the next
-    transfer's copies come after all of this one's. The resident kernel runs on the stage stream.
+    The stage stream orders transfers: the caller makes it wait for a transfer's dependencies and fetch
+    its indices, :meth:`begin` marks that point, and the lanes start that transfer's copies only after
+    it. A load joins every chunk's lane back into the stage stream (its per-layer events are recorded
+    there), so the next transfer's copies come after all of this one's. The resident kernel runs on the stage stream.
     """
 
     def __init__(self, device: torch.device, n_slots: int, slot_bytes: int, max_pages: int,
