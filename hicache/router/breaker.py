@@ -7,8 +7,10 @@ says the node answered and is ignored.
 
 States: ``closed`` (routable) -> after ``failure_threshold`` consecutive failures -> ``open`` (not
 routable) for ``cooldown_s`` -> ``half_open`` (routable again, on probation) -> the next success closes
-it, the next failure reopens it with the cooldown doubled (up to ``max_cooldown_s``). Outcomes come from
-the router's own calls to the node (event stream, Stats polls) and from clients' Complete reports.
+it, the next failure reopens it with the cooldown doubled (up to ``max_cooldown_s``). Any success closes
+it at once, even while open, and resets the cooldown: the node answered. Outcomes come from the router's
+own calls to the node (event stream, Stats polls every ``stats_interval_s``) and from clients' Complete
+reports.
 """
 
 from __future__ import annotations

@@ -209,7 +209,9 @@ class Router:
                              pol.name, d.reason, scored)
 
     def complete(self, route_id: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> str | None:
-        """The routed request finished with ``code`` on its node; returns the node (None: unknown id)."""
+        """The routed request finished with ``code`` on its node; returns the node (None: unknown id, or
+        one past its TTL)."""
+        self.inflight.expire()  # a route past its TTL is gone, whether or not a Route call swept it yet
         node = self.inflight.finish(route_id)
         if node is not None:
             self.nodes[node].breaker.record(code)

@@ -3,8 +3,9 @@
 A Match opens a :class:`hicache.cache.Request` under an id; Allocate, Prefetch and Commit act on it and
 Release closes it. The table is what makes page ownership enforceable: a request owns the L1 prefix it
 locked and the pages Allocate gave it, and only its own id reaches them. Calls on one id run one at a
-time (``Entry.lock``). Requests idle for longer than ``idle_ttl_s`` (a client that died) are released by
-:meth:`RequestTable.expire` so their locks cannot pin the cache forever.
+time (``Entry.lock``). Requests idle for longer than ``idle_ttl_s`` (a client that died) are taken out by
+:meth:`RequestTable.expired` and released by the servicer's ``expire_idle``, so their locks cannot pin
+the cache forever.
 
 All methods run on the event loop thread (no locking needed for the dict itself).
 """

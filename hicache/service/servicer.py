@@ -1,14 +1,18 @@
 """RPC handlers of ``hicache.v1.HiCache`` over one :class:`hicache.cache.HiCache`.
 
 Hot path: Match runs inline on the event loop (a radix walk: ~20 us for 8k tokens; page keys are only
-hashed when the store is asked or the caller wants them); anything that waits (L3 lookups, prefetch,
-L2 -> L1 loads, page streams) runs on a worker thread. Every handler first validates (:mod:`.validation`),
-then acts, so a rejected call changes nothing. Every RPC counts against ``serve.max_concurrency``
-(RESOURCE_EXHAUSTED beyond it) and is timed into ``hicache_rpc_seconds`` (:mod:`.rpc`).
+hashed when the store is asked or the caller wants them); L3 lookups, prefetch, L2 -> L1 loads and page
+streams run on a worker thread. Match and Allocate may still block the loop briefly, on backups in flight
+(allocation under pressure, ``write_back`` evictions) or on a full L3 write queue
+(``writeback_when_full: block``). Every handler first validates (:mod:`.validation`), then acts, so a
+call rejected for its input changes nothing; one refused for room may have evicted unlocked pages
+first. Every RPC counts against ``serve.max_concurrency`` (RESOURCE_EXHAUSTED beyond it) and is timed
+into ``hicache_rpc_seconds`` (:mod:`.rpc`).
 
-Deadlines: gRPC cancels a handler whose deadline passed; waits that run on worker threads (prefetch) are
-bounded by the time remaining. A Match cancelled while its worker still runs keeps its id: the request
-opens when the worker finishes and is released by the client's Release or by idle expiry.
+Deadlines: gRPC cancels a handler whose deadline passed; Prefetch cuts its wait for the L3 run to the
+time remaining, while ReadPages and WritePages wait as the prefetch policy says. A Match cancelled while
+its worker still runs keeps its id: the request opens when the worker finishes and is released by the
+client's Release or by idle expiry.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from hicache.service.events import EventHub
 from hicache.service.metrics_http import ServiceMetrics
 from hicache.service.pages import gather_pages, scatter_pages
 from hicache.service.requests import Entry, RequestTable
-from hicache.service.rpc import Ctx, busy_message, status_of, streaming, unary
+from hicache.service.rpc import Ctx, busy_message, log, status_of, streaming, unary
 from hicache.service.shared_pool import SharedPool
 from hicache.service.validation import (
     NamespaceResolver,
@@ -78,6 +82,16 @@ def _within_deadline(wait: float | None, context: Ctx) -> float | None:
         return wait
     left = max(0.0, left - DEADLINE_MARGIN_S)
     return left if wait is None else min(wait, left)
+
+
+def _open_request(entry: Entry, request_id: str) -> Request:
+    """The entry's request, taken under ``entry.lock``: NOT_FOUND when a Release (or expiry) won the race
+    since the entry was looked up."""
+    req = entry.request
+    assert req is not None
+    if req.released:
+        raise ServiceError(grpc.StatusCode.NOT_FOUND, f"request_id {request_id!r}: released")
+    return req
 
 
 class HiCacheServicer(pb_grpc.HiCacheServicer):
@@ -187,6 +201,12 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         except asyncio.CancelledError:
             status = "CANCELLED"
             raise
+        except Exception as e:  # a bug, not a refusal: end the stream with INTERNAL, as @streaming does
+            if isinstance(e, grpc.aio.AbortError):
+                raise
+            log.exception("MatchStream failed")
+            status = "INTERNAL"
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
         finally:
             self._done("MatchStream", status, t_open)
 
@@ -238,7 +258,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def _match_response(self, req: Request, rid: str, keys: bool) -> pb.MatchResponse:
         resp = pb.MatchResponse(
             request_id=rid, l1_pages=len(req.device_indices),
-            l2_pages=req.l1_pages + req.l2_pages - len(req.device_indices) if rid else req.l2_pages,
+            l2_pages=max(0, req.l1_pages + req.l2_pages - len(req.device_indices)) if rid else req.l2_pages,
             l3_pages=req.l3_pages, page_size=self.page_size, num_pages=req.num_pages,
             device_indices=req.device_indices.tolist() if rid else (),
         )
@@ -252,10 +272,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         entry = self.table.get(request.request_id)
         interval = (request.progress_interval_ms or 20) / 1000.0
         async with entry.lock:
-            req = entry.request
-            assert req is not None
-            if req.released:
-                raise ServiceError(grpc.StatusCode.NOT_FOUND, f"request_id {request.request_id!r}: released")
+            req = _open_request(entry, request.request_id)
             total = await blocking(self.cache.prefetch, req) if self.cache.storage is not None else 0
             task = req.prefetch
             if task is not None:
@@ -288,8 +305,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                                f"L1: need {n} pages, {free} free and at most {evictable} evictable "
                                "(the rest is locked by requests in flight)")
         async with entry.lock:
-            assert entry.request is not None
-            pages = cache.alloc(entry.request, n)
+            pages = cache.alloc(_open_request(entry, request.request_id), n)
         return pb.AllocateResponse(device_indices=pages.tolist())
 
     @unary
@@ -298,8 +314,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         tb = token_bytes(request.tokens, request.token_ids, self.max_tokens)
         dev = page_indices(request.device_indices, self.num_pages)
         async with entry.lock:
-            req = entry.request
-            assert req is not None
+            req = _open_request(entry, request.request_id)
             self._check_commit(req, tb, dev)
             res = self.cache.commit(req, np.frombuffer(tb, dtype="<u4"), dev)
             entry.last_used = time.monotonic()
@@ -502,6 +517,9 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         tokens = np.frombuffer(tb, dtype="<u4")
         req = cache.match(tokens, ns, l3=False, keys=False)
         try:
+            if req.l1_pages + req.l2_pages < first:  # refused before any L2 -> L1 load moves pages
+                raise precondition(f"header.first_page: pages before {first} must be cached here; "
+                                   f"this node has the first {req.l1_pages + req.l2_pages}")
             have = len(self._load(req).device_indices)
             if have < first:
                 raise precondition(f"header.first_page: pages before {first} must be cached here; "

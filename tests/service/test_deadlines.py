@@ -1,6 +1,7 @@
-"""Deadlines are honoured: a Prefetch whose policy would wait for the whole L3 run (wait_complete) stops
-reading the store at the caller's deadline, and the cache stays consistent (no page leaked, nothing
-half-inserted); the request can still be used and released."""
+"""Deadlines and races in the node's request handling. A Prefetch whose policy would wait for the whole L3
+run (wait_complete) stops reading the store at the caller's deadline, and the cache stays consistent (no
+page leaked, nothing half-inserted); the request can still be used and released. A call that races a
+Release gets NOT_FOUND."""
 
 from __future__ import annotations
 
@@ -87,5 +88,39 @@ def test_prefetch_stops_at_the_deadline() -> None:
             node.cache.check_integrity()  # every host page the prefetch took is back or in the tree
         finally:
             await node.stop()
+
+    asyncio.run(main())
+
+
+def test_allocate_and_commit_racing_a_release_get_not_found() -> None:
+    """An Allocate or Commit that looked its request up just before a Release took it gets NOT_FOUND once
+    it holds the request, never INTERNAL, and allocates nothing."""
+    async def main() -> None:
+        node = NodeServer(config())
+        await node.start()
+        try:
+            assert node.cache is not None
+            toks = np.arange(1, 4 * PS + 1, dtype=np.uint32)
+            async with AsyncHiCacheClient(f"127.0.0.1:{node.port}") as c:
+                for call in ("allocate", "commit"):
+                    m = await c.match(toks, call)
+                    entry = node.servicer.table.get(call)
+                    free = node.cache.device_pool.allocator.free_pages
+                    async with entry.lock:  # the RPC below looks the entry up, then waits for this lock
+                        rpc = asyncio.ensure_future(c.allocate(call, 2) if call == "allocate"
+                                                    else c.commit(call, toks, m.device_indices))
+                        await asyncio.sleep(0.2)
+                        assert not rpc.done()
+                        assert entry.request is not None
+                        node.cache.release(entry.request)  # as Release does, under the same lock
+                    try:
+                        await rpc
+                        raise AssertionError(f"{call} after release succeeded")
+                    except grpc.aio.AioRpcError as e:
+                        assert e.code() == grpc.StatusCode.NOT_FOUND, (call, e.code(), e.details())
+                    assert node.cache.device_pool.allocator.free_pages == free
+                    node.servicer.table.pop(call)
+        finally:
+            await node.stop(0.1)
 
     asyncio.run(main())

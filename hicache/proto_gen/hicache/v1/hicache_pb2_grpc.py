@@ -134,7 +134,8 @@ class HiCacheServicer:
     def MatchStream(self, request_iterator, context):
         """Match over one long-lived stream: the same requests, answered in order, any number pipelined. The
         fast path for schedulers issuing thousands of matches per second (no per-call setup cost). A request
-        that is refused gets a reply with `error` set (and nothing else); the stream goes on.
+        that is refused gets a reply with `error` set (and nothing else); the stream goes on. An internal
+        error ends the stream with INTERNAL.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -212,8 +213,9 @@ class HiCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Flush(self, request, context):
-        """Wait until the L1 -> L2 backups in flight and the queued L3 writes are done (or `timeout_s`, or the
-        call's deadline, passed), and say what the store has not taken. Before planned maintenance, or
+        """Wait until the L1 -> L2 backups in flight and the queued L3 writes are done, and say what the store
+        has not taken. The backups in flight are always waited for; `timeout_s` (or the call's deadline)
+        bounds the wait for the L3 queue. Before planned maintenance, or
         between the requests of a replay that must not depend on timing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -243,8 +245,8 @@ class HiCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Clear(self, request, context):
-        """Drop every L1 and L2 page that no open request holds, no pin keeps and no copy in flight uses (the
-        L3 store is not touched; nothing is backed up on the way). Stored events go out as REMOVED / tier
+        """Drop every L1 and L2 page that no open request holds, no pin keeps and no copy in flight uses (no
+        backup is started; backups already in flight are finished, and queued for L3, first). Stored events go out as REMOVED / tier
         changes, so routers follow.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
