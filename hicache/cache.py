@@ -125,6 +125,7 @@ class HiCache:
         m.used["l2"].set(self.host_pool.allocator.used_pages if self.has_l2 else 0)
         m.pinned["l1"].set(self._pinned[0])
         m.pinned["l2"].set(self._pinned[1])
+        m.prefetch_inflight_bytes.set(self._prefetch_inflight_bytes)
         if self.writeback is not None:
             m.writeback_queue.set(self.writeback.queued_pages)
         if self.storage is not None:
@@ -240,13 +241,15 @@ class HiCache:
 
     # ------------------------------------------------------------------ request API
     def match(self, tokens: Sequence[int] | np.ndarray, ns: Namespace | None = None, *,
-              l3: bool = True, keys: bool = True) -> Request:
+              l3: bool = True, keys: bool = True, count: bool = True) -> Request:
         """Longest cached prefix of ``tokens``: pages on L1, continued on L2, continued on L3.
 
         Locks the L1 prefix and pins the L2 run until :meth:`release`. ``l3=False`` skips the store.
         Only full pages are matched; a trailing partial page is never cached. ``keys=False`` skips
         hashing the page keys when the store is not asked (``Request.keys`` stays empty; :meth:`commit`
         computes them when it needs them) -- the cheap path for lookups that only want hit lengths.
+        ``count=False`` leaves the lookup out of the hit-rate and match-latency metrics (a peer writing
+        pages in, not a prompt looked up).
         """
         t0 = time.perf_counter()
         ns = ns or self.ns
@@ -272,16 +275,17 @@ class HiCache:
                       list(m.host_nodes), list(m.pending))
         done = req.l1_pages + req.l2_pages
         if l3 and self.storage is not None and done < len(pkeys):
-            t0 = time.perf_counter()
+            t_ex = time.perf_counter()
             req.l3_pages = self.storage.batch_exists(pkeys[done:])
-            self.metrics.storage_op["exists"].observe(time.perf_counter() - t0)
-        mt = self.metrics
-        mt.lookups.inc()
-        mt.lookup_tokens.inc(req.num_pages * self.page_size)
-        mt.hit["l1"].inc(req.l1_pages * self.page_size)
-        mt.hit["l2"].inc(req.l2_pages * self.page_size)
-        mt.hit["l3"].inc(req.l3_pages * self.page_size)
-        mt.match_seconds.observe(time.perf_counter() - t0)
+            self.metrics.storage_op["exists"].observe(time.perf_counter() - t_ex)
+        if count:
+            mt = self.metrics
+            mt.lookups.inc()
+            mt.lookup_tokens.inc(req.num_pages * self.page_size)
+            mt.hit["l1"].inc(req.l1_pages * self.page_size)
+            mt.hit["l2"].inc(req.l2_pages * self.page_size)
+            mt.hit["l3"].inc(req.l3_pages * self.page_size)
+            mt.match_seconds.observe(time.perf_counter() - t0)
         return req
 
     def prefetch(self, req: Request) -> int:
@@ -512,6 +516,9 @@ class HiCache:
             task.cancel()  # stops it and frees its pages, unless it was already finished ...
             with self._lock:
                 self._prefetch_inflight_bytes -= task.num_pages * self.layout.bytes_per_page
+                self.metrics.prefetch_inflight_bytes.set(self._prefetch_inflight_bytes)
+                if task.cancelled:
+                    self.metrics.prefetch_aborted.inc()
                 if not task.cancelled and task.handed > 0:  # ... and handed over, but never loaded back
                     self.host_pool.allocator.free(task.host_pages[: task.handed])
             req.prefetch = None

@@ -25,7 +25,8 @@ STORAGE_COUNTERS = (
     ("bytes_read", "hicache_storage_read_bytes", "Bytes of pages read from L3"),
     ("bytes_written", "hicache_storage_written_bytes", "Bytes of pages written to L3"),
     ("corrupt_pages", "hicache_storage_corrupt_pages", "L3 pages that failed frame verification (served as misses)"),
-    ("errors", "hicache_storage_errors", "Failed L3 operations (store down, timeout, refused)"),
+    ("errors", "hicache_storage_errors", "Failed L3 operations (store down, timeout, refused; the file store "
+                                         "counts each page)"),
 )
 
 
@@ -51,18 +52,20 @@ class Metrics:
         r = self.registry
         self.on_collect: Callable[[], None] | None = None  # set by the owner: refresh gauges at scrape time
         r.register(_Refresh(self))  # type: ignore[arg-type]
-        self.lookups = Counter("hicache_lookups", "Match calls", registry=r)
+        self.lookups = Counter("hicache_lookups", "Match calls (peers' WritePages not included)", registry=r)
         self.lookup_tokens = Counter("hicache_lookup_tokens", "Tokens looked up (full pages)", registry=r)
         self.hit_tokens = Counter("hicache_hit_tokens", "Tokens hit, by tier", ["tier"], registry=r)
         self.evicted_tokens = Counter("hicache_evicted_tokens", "Tokens evicted, by tier", ["tier"], registry=r)
         self.loadback_tokens = Counter("hicache_loadback_tokens", "Tokens loaded L2 -> L1", registry=r)
         self.loadback_bytes = Counter("hicache_loadback_bytes", "Bytes loaded L2 -> L1", registry=r)
-        self.loadback_seconds = Counter("hicache_loadback_seconds", "Seconds spent issuing/awaiting L2 -> L1 loads",
-                                        registry=r)
+        self.loadback_seconds = Counter("hicache_loadback_seconds", "Seconds in load_back: submitting L2 -> L1 loads "
+                                        "and waiting for the request's L3 prefetch (per prefetch_policy); the "
+                                        "copies themselves run on after it returns", registry=r)
         self.backup_tokens = Counter("hicache_backed_up_tokens", "Tokens backed up, by destination tier", ["tier"],
                                      registry=r)
         self.prefetch_tokens = Counter("hicache_prefetch_tokens", "Tokens prefetched L3 -> L2", registry=r)
-        self.prefetch_aborted = Counter("hicache_prefetch_aborted", "Prefetches cut short (timeout, cancel, error)",
+        self.prefetch_aborted = Counter("hicache_prefetch_aborted", "Prefetches not started (in-flight byte cap, no "
+                                        "room on L2) or cut short (timeout, error, request released first)",
                                         registry=r)
         self.writeback_dropped_pages = Counter("hicache_writeback_dropped_pages",
                                                "Pages not written to L3 because the queue was full", registry=r)

@@ -14,12 +14,14 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable, Iterator
 from typing import Any, TypeAlias
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 from hicache.config import HiCacheConfig
 from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
@@ -38,9 +40,27 @@ SERVICE_NAME = rpb.DESCRIPTOR.services_by_name["Router"].full_name
 Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
+class _Sync:
+    """A collector with no metrics of its own, registered first: each scrape calls ``fn`` before the
+    registry reads the others (counters brought up to the router's running totals)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        self.fn()
+        return iter(())
+
+
 class RouterMetrics:
     def __init__(self, router: Router, registry: CollectorRegistry) -> None:
         r = registry
+        self._router = router
+        self._seen: dict[str, int] = {}  # running totals already added to the counters, by key
+        r.register(_Sync(self._sync))  # type: ignore[arg-type]
         self.routes = Counter("hicache_router_routes", "Requests routed, by node and reason", ["node", "reason"],
                               registry=r)
         self.route_seconds = Histogram("hicache_router_route_seconds", "Route decision time", registry=r,
@@ -48,27 +68,39 @@ class RouterMetrics:
         self.request_pages = Counter("hicache_router_request_pages", "Full pages of routed requests", registry=r)
         self.prefix_pages = Counter("hicache_router_prefix_pages", "Pages of routed requests the chosen node "
                                     "held, by tier", ["tier"], registry=r)
-        self.completed = Counter("hicache_router_completed", "Complete calls, by status code", ["code"], registry=r)
+        self.completed = Counter("hicache_router_completed", "Complete calls, by the status code reported for the "
+                                 "routed request", ["code"], registry=r)
         self.index_keys = Gauge("hicache_router_index_keys", "Distinct page keys in the index", registry=r)
         self.index_keys.set_function(lambda: len(router.index))
         self.inflight = Gauge("hicache_router_inflight", "Routes not completed yet", registry=r)
         self.inflight.set_function(lambda: len(router.inflight))
-        self.expired = Gauge("hicache_router_routes_expired", "Routes dropped at the TTL (never completed)",
-                             registry=r)
-        self.expired.set_function(lambda: router.inflight.expired)
+        self.expired = Counter("hicache_router_routes_expired", "Routes dropped at the TTL (never completed)",
+                               registry=r)
         self.node_up = Gauge("hicache_router_node_connected", "Event stream in sync, by node", ["node"], registry=r)
-        self.breaker_open = Gauge("hicache_router_breaker_open", "Breaker not closed, by node", ["node"], registry=r)
-        self.resyncs = Gauge("hicache_router_resyncs", "Snapshots applied after the first, by node", ["node"],
-                             registry=r)
+        self.breaker_open = Gauge("hicache_router_breaker_open", "Breaker not closed (open, or half-open on "
+                                  "probation), by node", ["node"], registry=r)
+        self.resyncs = Counter("hicache_router_resyncs", "Snapshots applied after the first, by node", ["node"],
+                               registry=r)
         for name in router.nodes:
             self._per_node(router, name)
 
     def _per_node(self, router: Router, name: str) -> None:
         st = router.nodes[name]
-        feed = router.index.feed(name)
         self.node_up.labels(name).set_function(lambda: float(st.connected))
         self.breaker_open.labels(name).set_function(lambda: float(st.breaker.state != "closed"))
-        self.resyncs.labels(name).set_function(lambda: max(0, feed.snapshots - 1))
+
+    def _add(self, key: str, total: int, counter: Any) -> None:
+        """Increase ``counter`` by what ``total`` (a running total) gained since the last scrape."""
+        seen = self._seen.get(key, 0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._seen[key] = total
+
+    def _sync(self) -> None:
+        router = self._router
+        self._add("expired", router.inflight.expired, self.expired)
+        for name in router.nodes:
+            self._add(f"resyncs/{name}", max(0, router.index.feed(name).snapshots - 1), self.resyncs.labels(name))
 
 
 def decision_pb(d: RouteDecision, page_size: int) -> rpb.RouteResponse:

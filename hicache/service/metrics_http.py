@@ -17,9 +17,11 @@ RPC_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 
 class ServiceMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
-        self.rpc_seconds = Histogram("hicache_rpc_seconds", "RPC handling time, by method", ["method"],
+        self.rpc_seconds = Histogram("hicache_rpc_seconds", "RPC handling time, by method (each MatchStream "
+                                     "message under Match; MatchStream: a whole stream)", ["method"],
                                      registry=r, buckets=RPC_BUCKETS)
-        self.rpc_total = Counter("hicache_rpcs", "RPCs finished, by method and status code", ["method", "code"],
+        self.rpc_total = Counter("hicache_rpcs", "RPCs finished, by method and status code (those refused at "
+                                 "serve.max_concurrency are in hicache_rpc_rejected)", ["method", "code"],
                                  registry=r)
         self.rpc_inflight = Gauge("hicache_rpc_inflight", "RPCs being handled (queue depth)", registry=r)
         self.rpc_rejected = Counter("hicache_rpc_rejected", "RPCs refused with RESOURCE_EXHAUSTED (concurrency)",

@@ -515,7 +515,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def _write_pages(self, tb: bytes, ns: Any, first: int, data: bytes) -> pb.CommitResponse:
         cache = self.cache
         tokens = np.frombuffer(tb, dtype="<u4")
-        req = cache.match(tokens, ns, l3=False, keys=False)
+        req = cache.match(tokens, ns, l3=False, keys=False, count=False)  # a peer's pages, not a lookup
         try:
             if req.l1_pages + req.l2_pages < first:  # refused before any L2 -> L1 load moves pages
                 raise precondition(f"header.first_page: pages before {first} must be cached here; "

@@ -163,7 +163,7 @@ def test_alerts_fire_where_they_should(tmp_path: Path) -> None:
         S(f'hicache_router_node_connected{{{m},pod="r0",node="n1"}}', "1x5 0x40"),
         S(f'hicache_router_breaker_open{{{m},pod="r0",node="n0"}}', "0x45"),
         S(f'hicache_router_breaker_open{{{m},pod="r0",node="n1"}}', "0x5 1x40"),
-        S(f'hicache_router_routes_expired{{{m},pod="r0"}}', "0+1x60"),
+        S(f'hicache_router_routes_expired_total{{{m},pod="r0"}}', "0+1x60"),
     ]
     n0, n1, r0 = ns(pod="n0"), ns(pod="n1"), ns(pod="r0")
     tests = [
