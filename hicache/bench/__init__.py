@@ -6,7 +6,8 @@ Pieces, one concern each:
 * :mod:`~hicache.bench.workloads` -- the three workloads (multi-query RAG, few-shot classification,
   multi-turn chat) and a mix, deterministic by seed.
 * :mod:`~hicache.bench.traces` -- own JSONL traces (token ids or text) and Mooncake's hash_ids format.
-* :mod:`~hicache.bench.targets` -- what a trace is replayed against: the in-process cache or a node over gRPC.
+* :mod:`~hicache.bench.targets` -- what a trace is replayed against: the in-process cache, a node over gRPC,
+  or a router in front of nodes.
 * :mod:`~hicache.bench.replay` -- the replay loop (optionally following timestamps), per-tier accounting.
 * :mod:`~hicache.bench.optimal` -- Belady's offline optimum on the prefix tree and the infinite bound.
 * :mod:`~hicache.bench.report` / :mod:`~hicache.bench.plot` -- terminal table, JSON/CSV, PNG.

@@ -70,7 +70,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="write_through | write_through_selective | write_back")
     g.add_argument("--prefetch-policy", default="wait_complete", help="best_effort | wait_complete | timeout")
     g.add_argument("--target", default="inproc",
-                   help="inproc (default), or grpc://host:port of a node or of a router (hicache route)")
+                   help="inproc (default), or grpc://host:port of a node or of a router (hicache route); with "
+                   "grpc:// the node's page size, capacities, L3 and policies apply, not --l1/--l2/--l3/--*-policy "
+                   "(--eviction-policy still sets the capacity curve's)")
     g.add_argument("--clear", action="store_true",
                    help="start cold: drop the L1 and L2 pages of the grpc:// target first (every node of a "
                    "router; their stores keep their pages). Without it a node keeps what earlier runs left")
@@ -86,7 +88,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "small | tiny")
     g.add_argument("--prefill-rate", default="41000", help="prefill tokens/s (default 41000: 8B-shaped model, "
                    "eager PyTorch, H200), or 'measure' (reference decoder of --model-layout's shape, this machine; "
-                   "llama-3.1-8b, small and tiny only)")
+                   "llama-3.1-8b on a GPU, small and tiny anywhere)")
     g.add_argument("--l2-bandwidth", type=float, default=50e9, help="L2 -> L1 bytes/s (default 50e9)")
     g.add_argument("--l3-bandwidth", type=float, default=2e9, help="L3 -> L1 bytes/s (default 2e9)")
     g.add_argument("--capacities", default="5,10,20,30,50,75,100",
@@ -94,8 +96,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--out", metavar="DIR", help="write result.json, requests.csv, curve.csv, hit_rate.png here")
     g.add_argument("--json", metavar="PATH", help="write the result as JSON here")
     g.add_argument("--doctor", action="store_true", help="also diagnose what in the prompts breaks reuse")
-    g.add_argument("--policy-table", action="store_true", help="compare lru, the default policy and the "
-                   "optimum at 10/30/100%% of the working set on the three workloads (and --trace)")
+    g.add_argument("--policy-table", action="store_true", help="compare lru, the default policy, "
+                   "--eviction-policy if another, and the optimum at 10/30/100%% of the working set on the three "
+                   "workloads (and --trace); only --requests, --seed, --trace, --limit, --page-size and --json "
+                   "(the table's rows) apply")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 

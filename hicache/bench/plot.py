@@ -13,7 +13,8 @@ from hicache.bench.run import BenchResult
 
 
 def plot_result(res: BenchResult, path: Path) -> Path:
-    """Left: hit rate vs L1 capacity (policy, optimum, infinite bound). Right: hit rate by tier."""
+    """Left: hit rate vs L1 capacity (policy, optimum, infinite bound; the 60% line of the advice). Right:
+    this run's hit rate stacked by tier, next to the optimum and the infinite bound."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     xs = [p.fraction * 100 for p in res.curve]
     a.plot(xs, [p.policy * 100 for p in res.curve], "o-", label=f"{res.policies['eviction']} (online)")

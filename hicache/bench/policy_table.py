@@ -1,6 +1,6 @@
 """LRU, the default eviction policy and the offline optimum side by side, at shares of the working set.
 
-For each workload (and the Mooncake trace when given) and each capacity, an in-process L1-only cache is
+For each workload (and the ``--trace`` file when given) and each capacity, an in-process L1-only cache is
 replayed once per policy; the optimum is Belady at the same capacity (:mod:`~hicache.bench.optimal`).
 The target: the default policy (online) reaches at least 90% of the optimum everywhere.
 """

@@ -63,7 +63,7 @@ class ReplayResult:
 def replay(requests: Sequence[TraceRequest], target: Target, progress: Callable[[int], None] | None = None,
            follow_timestamps: bool = False, speed: float = 1.0, settle: bool = False) -> ReplayResult:
     """Serve ``requests`` in order. With ``follow_timestamps`` request i starts no earlier than
-    ``timestamp_i / speed`` seconds after the first; otherwise back to back. With ``settle`` the
+    ``timestamp_i / speed`` seconds after the replay starts; otherwise back to back. With ``settle`` the
     target's background work is waited for after each request (:meth:`Target.settle`; not counted in
     ``cache_s``); ``settled`` in the result says whether the target could."""
     if speed <= 0:

@@ -13,7 +13,8 @@ from rich.table import Table
 from hicache.bench.run import BenchResult
 from hicache.bench.units import human_bytes, human_tokens
 
-ADVICE_THRESHOLD = 0.60  # the article's rule: below, fix the prompt; above, add tiers
+ADVICE_THRESHOLD = 0.60  # the article's rule: under it even at unlimited capacity, fix the prompt;
+# under it only at this capacity, or over it with room left, add tiers
 
 
 def advice(hit_rate: float, infinite: float) -> str:

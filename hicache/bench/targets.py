@@ -59,7 +59,8 @@ class Target(abc.ABC):
         return False
 
     def clear(self) -> None:  # noqa: B027 - optional hook
-        """Start cold: drop the L1 and L2 pages of the cache(s) behind this target (a store keeps its)."""
+        """Start cold: drop the L1 and L2 pages of the cache(s) behind this target (a store keeps its);
+        a no-op where the target starts empty (the in-process cache)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the cache / connection."""

@@ -1,8 +1,9 @@
 """Sizes on the command line: tokens (``65536``, ``64k``, ``1m``), bytes (``2GiB``, ``512MB``) or a share of
 the working set (``10%``).
 
-Token suffixes are binary (``k`` = 1024, ``m`` = 1024**2). Byte sizes need a ``B``: decimal ``KB/MB/GB/TB``
-or binary ``KiB/MiB/GiB/TiB``; they are converted to tokens with the KV bytes per token of the model layout.
+Token suffixes are binary (``k`` = 1024, ``m`` = 1024**2, ``g`` = 1024**3). Byte sizes need a ``B``:
+decimal ``KB/MB/GB/TB`` or binary ``KiB/MiB/GiB/TiB``; they are converted to tokens with the KV bytes per
+token of the model layout.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def parse_size(text: str, what: str = "size") -> Size:
         return Size(tokens=int(value * _TOKEN_SUFFIX[low]))
     if low in _BYTE_SUFFIX:
         return Size(nbytes=int(value * _BYTE_SUFFIX[low]))
-    raise BenchInputError(f"{what}: unknown unit {suffix!r} in {text!r} (tokens: k, m; bytes: KB, MiB, GiB, ...)")
+    raise BenchInputError(f"{what}: unknown unit {suffix!r} in {text!r} (tokens: k, m, g; bytes: KB, MiB, GiB, ...)")
 
 
 def human_tokens(n: float) -> str:

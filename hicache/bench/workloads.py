@@ -9,8 +9,9 @@
 * ``mixed`` -- the three merged by arrival time.
 
 ``volatile`` plants what the article warns about at the very start of every prompt: ``timestamp``
-(the request time), ``session`` (a per-conversation id) or ``request_id`` (a fresh id per request).
-Arrivals are Poisson at ``rate`` requests per second.
+(the previous request's arrival time, to the second), ``session`` (a per-conversation id) or
+``request_id`` (a fresh id per request). Arrivals of each workload are Poisson at ``rate`` requests per
+second; ``mixed`` merges three such streams (about 3 x ``rate``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class TraceRequest:
     output: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint32))  # generated ids (cached after)
     timestamp: float = 0.0  # seconds since the start of the trace
     session: str = ""  # conversation / user id, if known
-    kind: str = ""  # workload name or trace format
+    kind: str = ""  # workload name, or 'jsonl' / 'text' / 'mooncake' for trace lines
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +53,7 @@ class WorkloadSpec:
     seed: int = 0
     rate: float = 8.0  # requests per second
     volatile: str | None = None
-    scale: float = 1.0  # multiplies document / example / message lengths
+    scale: float = 1.0  # multiplies every generated span (documents, examples, messages, questions, outputs)
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
