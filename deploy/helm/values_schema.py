@@ -113,7 +113,7 @@ def config_schema() -> Schema:
             "prefetch_timeout_max_s": number(0), "prefetch_max_inflight_bytes": integer(1),
             "io_batch_pages": integer(1), "writeback_queue_pages": integer(1),
             "writeback_when_full": enum(["block", "drop"]), "options": ANY_OBJECT},
-            description="storage.url comes from redis.* / externalStorage.* (through the Secret)"),
+            description="storage.url comes from redis.* / externalStorage.* (an external URL through the Secret)"),
         "serve": obj({
             "max_concurrency": integer(1), "max_message_bytes": integer(1 << 20), "max_request_tokens": integer(1),
             "shutdown_grace_s": number(0), "shared_pool": BOOL},
