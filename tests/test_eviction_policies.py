@@ -3,6 +3,8 @@ touches locked or pinned pages."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import treecache
@@ -109,24 +111,59 @@ def test_conversations_are_ordered_as_lru_orders_them() -> None:
     assert hits["lru"] > 0 and abs(hits["reuse_lru"] - hits["lru"]) <= 0.02 * hits["lru"]  # ties: node ids
 
 
-def test_locked_and_pinned_nodes_are_never_evicted() -> None:
-    tree = RadixTree(PAGE, "reuse_lru")
-    a, b = content(1, 3), content(2, 3)
-    tree.insert(NS, tb(a), keys(a), device=np.arange(3))
-    tree.insert(NS, tb(b), keys(b), device=np.arange(3, 6))
-    locked = tree.match(NS, tb(a)).l1_node
-    tree.lock(locked)
-    freed = tree.evict_device(100, lambda n: False)
-    assert sum(len(f) for f in freed) == 3
-    assert tree.match(NS, tb(a), touch=False).l1_pages == 3 and tree.match(NS, tb(b), touch=False).l1_pages == 0
-    tree.unlock(locked)
-    tree.set_host(locked, np.arange(3))  # back it up on L2, pin it, then evict both tiers
-    tree.pin_host(locked)
-    tree.evict_device(100, lambda n: False)
-    assert tree.evict_host(100) == []
-    assert tree.match(NS, tb(a), touch=False).l2_pages == 3
-    tree.unpin_host(locked)
-    assert sum(len(f) for f in tree.evict_host(100)) == 3
+@pytest.mark.parametrize("step", [100, 1])  # pages asked of each evict call: all at once, or one by one
+@pytest.mark.parametrize("policy", policy_names())
+def test_locked_and_pinned_nodes_are_never_evicted(policy: str, step: int) -> None:
+    """Whatever the policy ranks first, a locked path stays on L1 and a host-pinned path on L2 (or L1),
+    while every other page can go."""
+    tree = RadixTree(PAGE, policy)
+    dev, host = iter(range(100)), iter(range(100))
+    a, b, c, d = content(1, 3), content(2, 3), content(3, 2), content(4, 2)
+    a2, b2 = a + content(11, 2), b + content(12, 1)  # below the held nodes: free to go
+    for toks in (a, a2, b, b2, c, d):
+        m = tree.match(NS, tb(toks), touch=False)
+        new = np.asarray([next(dev) for _ in range(len(keys(toks)) - m.l1_pages)], dtype=np.int64)
+        tree.insert(NS, tb(toks), keys(toks), device=np.concatenate([m.device_indices, new]))
+    for toks in (c, d, c, d, c):  # only unheld nodes are hit: the held ones rank first for LRU/LFU/...
+        tree.match(NS, tb(toks))
+    a_node, b_node, b2_node, d_node = (tree.match(NS, tb(t), touch=False).l1_node for t in (a, b, b2, d))
+    assert a_node is not None and b_node is not None and b2_node is not None and d_node is not None
+    assert b2_node.parent is b_node and a_node.n_pages == 3
+    for node in (b_node, b2_node, d_node):  # backed up on L2; only b's path is pinned there
+        tree.set_host(node, np.asarray([next(host) for _ in range(node.n_pages)]))
+    for node in (a_node, b_node, b2_node):
+        node.priority = -1  # ... and for ``priority``
+    tree.lock(a_node)
+    tree.pin_host(b2_node)
+
+    def held() -> None:
+        if a_node.lock_ref:
+            assert tree.match(NS, tb(a), touch=False).l1_pages == 3, f"{policy}: locked path left L1"
+        if b2_node.host_pin:
+            m = tree.match(NS, tb(b2), touch=False)
+            assert m.l1_pages + m.l2_pages == 4, f"{policy}: pinned path left L2"
+        tree.check_invariants()
+
+    def evict_all(evict: Callable[[int], list[np.ndarray]]) -> int:
+        """Evict ``step`` pages at a time until nothing more goes; the pages freed."""
+        total = 0
+        while freed := sum(len(f) for f in evict(step)):
+            total += freed
+            held()
+        return total
+
+    assert evict_all(lambda n: tree.evict_device(n, lambda node: False)) == 2 + 4 + 2 + 2  # a2, b+b2, c, d
+    assert evict_all(tree.evict_host) == 2  # d only: b's path is pinned
+    assert tree.match(NS, tb(a2), touch=False).l1_pages == 3
+    m = tree.match(NS, tb(b2), touch=False)
+    assert (m.l1_pages, m.l2_pages) == (0, 4)
+    assert tree.match(NS, tb(c), touch=False).l1_pages == tree.match(NS, tb(d), touch=False).l2_pages == 0
+
+    tree.unlock(a_node)
+    tree.unpin_host(b2_node)
+    assert evict_all(lambda n: tree.evict_device(n, lambda node: False)) == 3
+    assert evict_all(tree.evict_host) == 4
+    assert list(tree.nodes()) == [] and tree.device_pages == tree.host_pages == tree.locked_device_pages == 0
     tree.check_invariants()
 
 

@@ -3,12 +3,14 @@ pinned; bounded by cache.max_pinned_fraction; a hit on them computes what a fres
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from hypothesis import given, settings
+import torch
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from hicache.cache import CacheFullError, HiCache
-from kvhelpers import commit_fresh, kv_equal, read_kv, small_config
+from kvhelpers import commit_fresh, kv_equal, read_kv, small_config, write_kv
 
 PS = 4  # small_config: pages of 4 tokens, L1 16 pages, L2 32 pages
 
@@ -116,44 +118,115 @@ def test_pins_of_a_tenant_stay_in_its_namespace() -> None:
     cache.close()
 
 
+def _random_prompt(k: int) -> list[int]:
+    """Prompts 0-5 are 2 pages; 6-11 continue 0-5 to 4 pages, so pins and commits split shared nodes."""
+    return prompt(k % 6, 2 if k < 6 else 4)
+
+
+_OP = st.tuples(st.sampled_from(["commit", "commit_pin", "pin", "unpin", "demote", "evict", "flood"]),
+                st.integers(0, 11))
+
+
+def _block(k: int, on_l2: bool, ops: list[tuple[str, int]], pressure: str) -> list[tuple[str, int]]:
+    """Commit and pin prompt ``k`` (on L1, or ``on_l2``: demoted to L2 first), a few random ops, commit
+    another prompt, evict or flood: most examples pin, then evict other pages while the pin is live."""
+    pin = [("commit", k), ("demote", 0), ("pin", k)] if on_l2 else [("commit_pin", k)]
+    return [*pin, *ops, ("commit", (k + 1) % 12), (pressure, 0)]
+
+
+_OPS = st.lists(st.builds(_block, st.integers(0, 11), st.booleans(), st.lists(_OP, max_size=5),
+                          st.sampled_from(["evict", "flood"])),
+                min_size=1, max_size=6).map(lambda blocks: [op for block in blocks for op in block])
+
+
+def _commit(cache: HiCache, toks: list[int], seed: int) -> bool:
+    """Serve ``toks`` as an engine would (load the L2 run back, compute the rest); False when refused."""
+    req = cache.match(toks, l3=False)
+    try:
+        load = cache.load_back(req)
+        load.wait()
+        new = cache.alloc(req, req.num_pages - len(load.device_indices))
+        write_kv(cache, new, seed)
+        cache.commit(req, toks, np.concatenate([load.device_indices, new]))
+        return True
+    except CacheFullError:
+        return False  # everything pinned or locked: the request is refused, nothing breaks
+    finally:
+        cache.release(req)
+
+
+def _evicted(cache: HiCache) -> float:
+    get = cache.metrics.registry.get_sample_value
+    return sum(get("hicache_evicted_tokens_total", {"tier": t}) or 0 for t in ("l1", "l2"))
+
+
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["commit", "pin", "unpin", "evict"]), st.integers(0, 7)),
-                min_size=1, max_size=40))
+@given(_OPS)
+# certainly pins, then evicts (explicitly, then through allocation) with other pages evictable
+@example([("commit_pin", 0), ("commit", 7), ("commit", 8), ("evict", 0), ("flood", 0), ("evict", 0)])
+# a pin over a split node (2-page pin under a 4-page prompt), then pressure on both tiers
+@example([("commit", 9), ("commit_pin", 3), ("flood", 0), ("flood", 0), ("evict", 0), ("unpin", 0),
+          ("flood", 0), ("evict", 0)])
+# a pin of a run on L2 only, then a pin of its prefix loaded back to L1, then pressure on both tiers
+@example([("commit", 6), ("flood", 0), ("pin", 6), ("commit_pin", 0), ("flood", 0), ("flood", 0), ("evict", 0)])
 def test_random_pins_hold_their_pages_and_the_pools_stay_consistent(ops: list[tuple[str, int]]) -> None:
-    """Any interleaving: a live pin's pages stay on their tiers; the pools and tree stay consistent."""
+    """Any interleaving: a live pin's L1 pages stay on L1 byte for byte and its L2 run on L1 or L2; the
+    pools and tree stay consistent; once every pin is dropped, nothing is held any more."""
     cache = HiCache(small_config(cache={"write_policy": "write_through", "eviction_policy": "lru",
                                         "max_pinned_fraction": 1.0}))
-    live: dict[int, tuple[list[int], int, int]] = {}
+    live: dict[int, tuple[list[int], int, int, list[list[torch.Tensor]]]] = {}
+    seeds = iter(range(1, 10**6))
+    pins = evicts_under_pins = 0
     try:
         for op, k in ops:
-            toks = prompt(k, 2 + k % 3)
+            toks = _random_prompt(k)
             if op == "commit":
-                req = cache.match(toks)
-                try:
-                    new = cache.alloc(req, req.num_pages - req.l1_pages - req.l2_pages)
-                    load = cache.load_back(req)
-                    load.wait()
-                    cache.commit(req, toks, list(load.device_indices) + list(new))
-                except CacheFullError:
-                    pass  # everything pinned or locked: the request is refused, nothing breaks
-                cache.release(req)
-            elif op == "pin":
+                _commit(cache, toks, next(seeds))
+            elif op in ("pin", "commit_pin"):
+                if op == "commit_pin":
+                    _commit(cache, toks, next(seeds))
                 try:
                     p = cache.pin(toks)
-                    live[p.pin_id] = (toks, p.l1_pages, p.l2_pages)
                 except (ValueError, CacheFullError):
-                    pass
+                    event(f"{op}: refused")
+                else:
+                    req = cache.match(toks, l3=False)
+                    assert req.l1_pages >= p.l1_pages and req.l1_pages + req.l2_pages >= p.l1_pages + p.l2_pages
+                    kv = read_kv(cache, req.device_indices[: p.l1_pages])
+                    cache.release(req)
+                    live[p.pin_id] = (toks, p.l1_pages, p.l2_pages, kv)
+                    pins += 1
+                    if p.l2_pages:
+                        event("a pin holds L2 pages")
             elif op == "unpin" and live:
                 pid = sorted(live)[k % len(live)]
                 cache.unpin(pid)
                 del live[pid]
-            else:
-                cache.evict(l1_pages=16, l2_pages=32)
+            elif op == "flood":  # 16 fresh pages through a 16-page L1 (and on to L2): eviction by alloc
+                before = _evicted(cache)
+                for _ in range(4):
+                    s = next(seeds)
+                    _commit(cache, prompt(100 + s, 4), s)
+                evicts_under_pins += bool(live and _evicted(cache) > before)
+            elif op in ("demote", "evict"):  # demote: every unheld L1 page to L2 (write_through backed them up)
+                l1, l2 = cache.evict(l1_pages=16, l2_pages=32 if op == "evict" else 0)
+                evicts_under_pins += bool(live and l1 + l2)
             cache.check_integrity()
-            for toks, l1, l2 in live.values():
+            for toks, l1, l2, kv in live.values():
                 req = cache.match(toks, l3=False)
                 assert req.l1_pages >= l1 and req.l1_pages + req.l2_pages >= l1 + l2
+                assert kv_equal(read_kv(cache, req.device_indices[:l1]), kv)
                 cache.release(req)
+        event(f"pins taken: {min(pins, 3)}{'+' if pins >= 3 else ''}")
+        n = evicts_under_pins
+        event(f"evictions freeing pages under a live pin: {min(n, 3)}{'+' if n >= 3 else ''}")
+        for pid in list(live):
+            cache.unpin(pid)
+        cache.flush()  # backups in flight lock their nodes until they are folded in
+        assert cache.pins() == [] and cache.tree.locked_device_pages == 0
+        cache.clear()  # with no pin and no request left, every page can go
+        assert cache.tree.all_device_pages().size == cache.tree.all_host_pages().size == 0
+        cache.check_integrity()
     finally:
         cache.close()
 

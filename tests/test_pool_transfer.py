@@ -92,20 +92,59 @@ def test_cpu_transfer_round_trip(host_layout: str, attention: str, heads: int, d
 
 
 def test_transfer_rejects_bad_indices_and_copies_nothing() -> None:
-    layout = KVLayout(1, 1, 2, "float32", 2)
+    """Every rejected load / backup raises ``ValueError`` and leaves both pools byte-for-byte as they were,
+    also once the engine's worker has drained its queue (a copy queued despite the error would show)."""
+    layout = KVLayout(2, 1, 2, "float32", 2)
     dev, host = DevicePool(layout, 4), HostPool(layout, 4)
+    g = torch.Generator().manual_seed(11)
+
+    def fill(t: torch.Tensor) -> None:
+        b = t.view(torch.uint8)
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.int32, generator=g).to(torch.uint8))
+
+    for layer in dev.kv:
+        for t in layer:
+            fill(t)
+    fill(host.buffer)
+    dev_before = [[t.clone() for t in layer] for layer in dev.kv]
+    host_before = host.buffer.clone()
+    # sanity: random, non-zero content, and device and host pages differ, so any stray copy would show
+    assert torch.count_nonzero(host_before.view(torch.uint8)) > 0
+    assert host.page_bytes(0) != b"".join(dev_before[lay][0][0].view(torch.uint8).numpy().tobytes()
+                                          for lay in range(2))
+
+    def assert_unchanged(what: str) -> None:
+        for lay in range(layout.num_layers):
+            for c in range(layout.kv_count):
+                assert torch.equal(dev.kv[lay][c].view(torch.uint8), dev_before[lay][c].view(torch.uint8)), what
+        assert torch.equal(host.buffer.view(torch.uint8), host_before.view(torch.uint8)), what
+
     eng = create_engine("cpu", dev, host)
+    closed = False
     try:
-        with pytest.raises(ValueError, match="out of range"):
-            eng.load(np.array([0, 4]), np.array([0, 1]))
-        with pytest.raises(ValueError, match="duplicate"):
-            eng.load(np.array([0, 1]), np.array([2, 2]))
-        with pytest.raises(ValueError, match="shape"):
-            eng.backup(np.array([0]), np.array([0, 1]))
+        bad: list[tuple[str, str, np.ndarray, np.ndarray]] = [
+            ("load", "out of range", np.array([0, 4]), np.array([0, 1])),   # host source past the pool
+            ("load", "out of range", np.array([0, 1]), np.array([3, 4])),   # device destination past it
+            ("load", "out of range", np.array([-1, 1]), np.array([0, 1])),  # negative
+            ("load", "duplicate", np.array([0, 1]), np.array([2, 2])),
+            ("load", "shape", np.array([0, 1]), np.array([2])),
+            ("backup", "shape", np.array([0]), np.array([0, 1])),
+            ("backup", "out of range", np.array([0, 1]), np.array([1, 4])),
+            ("backup", "out of range", np.array([5, 1]), np.array([0, 1])),
+            ("backup", "duplicate", np.array([0, 1, 2]), np.array([3, 1, 3])),
+        ]
+        for op, match, src, dst in bad:
+            with pytest.raises(ValueError, match=match):
+                getattr(eng, op)(src, dst)
+            assert_unchanged(f"{op} {src} -> {dst}")
+        eng.close()  # drains the worker's queue before it stops
+        closed = True
+        assert_unchanged("after close")
         with pytest.raises(ValueError, match="unknown"):
             create_engine("nope", dev, host)
     finally:
-        eng.close()
+        if not closed:
+            eng.close()
 
 
 def test_host_page_bytes_round_trip_and_size_check() -> None:

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from hicache.layout import KVLayout
@@ -218,8 +218,32 @@ def test_lc_major_staging_moves_every_piece(L: int, C: int, piece: int, n: int, 
     got, want, copies = _simulate_lc(L, C, piece, B, n_host, n_dev, h, d, g, slot, to_host, rng, ramp)
     assert np.array_equal(got, want)
     if seed % 2 and pages_per_slot >= n and ramp == (0, 0):  # one chunk per group: a copy per (lc, block)
+        event("copy count checked")
         blocks = len({(int(x) // B) for x in h})
         assert copies == L * C * (1 if L * C == 1 else blocks)  # one layer's blocks abut each other
+
+
+@settings(max_examples=40, deadline=None)
+@given(L=st.integers(1, 4), C=st.integers(1, 2), piece=st.sampled_from([2, 16, 48]), n=st.integers(1, 14),
+       B=st.sampled_from([1, 2, 4, 8]), g=st.integers(1, 4), spare_pages=st.integers(0, 3),
+       first=st.integers(0, 4), to_host=st.booleans(), seed=st.integers(0, 2**16))
+def test_lc_major_consecutive_pages_are_one_copy_per_layer_and_block(L: int, C: int, piece: int, n: int, B: int,
+                                                                    g: int, spare_pages: int, first: int,
+                                                                    to_host: bool, seed: int) -> None:
+    """No ramp and a slot holding every page: each layer group is one chunk, and a run of consecutive host
+    pages is one copy per (layer, K/V, block), one per (layer, K/V) in all where blocks abut (one lc).
+    The pieces land exactly as well."""
+    rng = np.random.default_rng(seed)
+    g = min(g, L)
+    n_host, n_dev = n + 5, n + 2
+    h = np.arange(first, first + n, dtype=np.int64)
+    d = rng.permutation(n_dev)[:n].astype(np.int64)
+    slot = (n + spare_pages) * g * C * piece  # pages_per_slot >= n
+    got, want, copies = _simulate_lc(L, C, piece, B, n_host, n_dev, h, d, g, slot, to_host, rng, (0, 0))
+    assert np.array_equal(got, want)
+    blocks = len({int(x) // B for x in h})
+    event(f"copy count checked, blocks spanned: {'1' if blocks == 1 else '2+'}")
+    assert copies == L * C * (1 if L * C == 1 else blocks)
 
 
 def test_lc_major_runs_are_one_copy_per_layer_and_block() -> None:

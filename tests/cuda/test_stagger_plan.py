@@ -4,7 +4,7 @@ host pieces layer by layer."""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from hicache.transfer.staged import plan_group, with_slot_base
@@ -113,8 +113,21 @@ def test_staggered_load_reproduces_host_pieces_layer_by_layer(L: int, C: int, pi
                     assert np.array_equal(dev[layer * C + c, d], hv[h, layer * C + c]), (ui, layer, c)
 
 
+_MIB = 1 << 20
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.integers(4, 1 << 30), st.integers(1, 1 << 26), st.booleans(), st.integers(4, 64))
+# loads of budgets that are multiples of LOAD_SLOT_BYTES (16 MiB) and DEFAULT_STAGING_BYTES (256 MiB), pages
+# under a slot: the load side's full slots, always checked
+@example(64 * _MIB, 4096, False, 4)  # 4 x LOAD_SLOT_BYTES: exactly STAGE_SLOTS slots
+@example(80 * _MIB, 256 << 10, False, 4)  # 5 x
+@example(16 * 16 * _MIB + 16 * _MIB, 1, False, 4)  # 17 x
+@example(256 * _MIB, 256 << 10, False, 4)  # DEFAULT_STAGING_BYTES: 16 slots
+@example(256 * _MIB, 16 * _MIB, False, 4)  # a page of exactly one slot
+@example(3 * 256 * _MIB, 4096, False, 16)  # 3 x DEFAULT_STAGING_BYTES
+@example(256 * _MIB + 16 * _MIB - 1, 4096, False, 4)  # just short of one more slot
+@example(1 << 30, 1 << 24, False, 64)  # the strategy's largest budget
 def test_staging_slots_stay_within_the_budget(staging: int, page: int, to_host: bool, backup_slots: int) -> None:
     from hicache.transfer.cuda_tuning import BACKUP_SLOT_BYTES, LOAD_SLOT_BYTES, STAGE_SLOTS, staging_slots
 
@@ -126,8 +139,11 @@ def test_staging_slots_stay_within_the_budget(staging: int, page: int, to_host: 
     assert slot <= max(cap, page)
     if to_host:
         assert n == backup_slots
-    elif slot == LOAD_SLOT_BYTES:
+    else:  # slot <= staging // STAGE_SLOTS, so the budget always holds at least STAGE_SLOTS of them
+        event(f"load-side slot count checked ({'full' if slot == LOAD_SLOT_BYTES else 'other'} slots)")
         assert staging - n * slot < slot  # the budget buys as many slots as it holds
+        if page <= LOAD_SLOT_BYTES and staging >= STAGE_SLOTS * LOAD_SLOT_BYTES:  # full slots
+            assert slot == LOAD_SLOT_BYTES and n == staging // LOAD_SLOT_BYTES
 
 
 def test_default_staging_is_sixteen_load_slots() -> None:

@@ -143,15 +143,46 @@ def test_concurrency_limit_metrics_health_reflection(server_factory: Callable[..
     assert "hicache_rpc_inflight" in text and "hicache_event_queue_depth" in text
 
 
-def test_client_retries_unavailable_with_backoff() -> None:
+def test_client_retries_unavailable_with_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hicache.client.sync as client_sync
+
     target = f"127.0.0.1:{free_port()}"  # nothing listens there
-    for attempts, floor in ((1, 0.0), (3, 0.05 * 0.5 + 0.1 * 0.5)):
-        with HiCacheClient(target, retry=RetryPolicy(attempts=attempts, base_s=0.05), timeout_s=5) as c:
+    pauses: list[float] = []
+    real_sleep = time.sleep
+
+    def recording_sleep(s: float) -> None:
+        pauses.append(s)
+        real_sleep(s)
+
+    monkeypatch.setattr(client_sync.time, "sleep", recording_sleep)
+    # attempts=1: one try, no backoff; base_s=2.0 so that any backoff sleep would take >= 1 s
+    # attempts=3: three tries, two jittered backoffs of base_s * 2**i * [0.5, 1]
+    for attempts, base_s in ((1, 2.0), (3, 0.05)):
+        pauses.clear()
+        with HiCacheClient(target, retry=RetryPolicy(attempts=attempts, base_s=base_s), timeout_s=5) as c:
+            calls = 0
+            stats = c.stub.Stats
+
+            def counting(*args: object, _stats: object = stats, **kw: object) -> object:
+                nonlocal calls
+                calls += 1
+                return _stats(*args, **kw)  # type: ignore[operator]
+
+            c.stub.Stats = counting  # type: ignore[method-assign]
             t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as ei:
                 c.stats()
+            elapsed = time.monotonic() - t0
             assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert time.monotonic() - t0 >= floor
+            assert calls == attempts, (attempts, calls)
+            assert len(pauses) == attempts - 1, pauses
+            for i, p in enumerate(pauses):
+                assert base_s * 2**i * 0.5 <= p <= base_s * 2**i, (i, p)
+            if attempts == 1:
+                assert elapsed < base_s * 0.5, elapsed  # failed at once: no backoff sleep
+            else:
+                assert elapsed >= sum(pauses) >= 0.05 * 0.5 + 0.1 * 0.5
+                assert elapsed < 4.0, elapsed  # well inside the 5 s budget
 
 
 def test_client_retry_reaches_a_server_that_comes_up(tmp_path: Path) -> None:

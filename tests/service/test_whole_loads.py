@@ -66,7 +66,24 @@ def test_prefetch_asks_for_whole_loads_and_gets_the_pages_back() -> None:
                 assert all(torch.equal(a, b) for a, b in zip(got, written, strict=True))
                 await c.release("r")
                 await c.release("again")
-            assert hints == [False]
+            assert hints == [False]  # the gRPC Prefetch asked for one whole load
+            cache.check_integrity()
+
+            # an in-process caller (match + load_back, computing layer by layer) gets the default,
+            # layer-wise load from the same node's cache
+            cache.evict(l1_pages=10**6)
+            req = cache.match(toks)
+            assert (req.l1_pages, req.l2_pages) == (0, PAGES)
+            res = cache.load_back(req)
+            for layer in range(len(kv)):
+                res.wait_layer(layer)
+            res.wait()
+            assert hints == [False, True]
+            idx = torch.from_numpy(np.asarray(res.device_indices))
+            assert len(idx) == PAGES
+            got = [t[idx] for row in kv for t in row]
+            assert all(torch.equal(a, b) for a, b in zip(got, written, strict=True))
+            cache.release(req)
             cache.check_integrity()
         finally:
             await node.stop()
