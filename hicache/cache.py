@@ -402,7 +402,9 @@ class HiCache:
             req.lock_node = new_lock
             req.device_indices = dev_all
             self._update_gauges()
-        pending = [p for p in req.pending if not p.done()]
+        # loads the prefix depends on: those seen at match time, those another request started since on
+        # pages this request matched on L2 (the re-match found them on L1, still loading), and ours
+        pending = [p for p in dict.fromkeys([*req.pending, *m.pending]) if not p.done()]
         if handle is not None:
             pending.append(handle)
         req.pending = pending
@@ -444,8 +446,10 @@ class HiCache:
         highest value wins.
 
         The request's lock moves to the end of the inserted run. Pages the tree already held are freed
-        if the request owned them. Write policy: write_through backs up now every node of the path that
-        has no L2 copy yet (the prefix's included; ``backed_up_pages`` counts them all).
+        if the request owned them; when a page the tree hands back instead (``req.device_indices``) is
+        still being loaded from L2 by another request, commit returns once that load has landed. Write
+        policy: write_through backs up now every node of the path that has no L2 copy yet (the prefix's
+        included; ``backed_up_pages`` counts them all).
         """
         self._check_open(req)
         self._check_ns(req.ns)
@@ -487,6 +491,7 @@ class HiCache:
             req.token_bytes = tb
             req.keys = keys
             req.device_indices = self._path_device(res.node)
+            loading = self._loads_on_path(res.node)
             backed = 0
             if self.write_policy == "write_through":
                 node: TreeNode | None = res.node
@@ -495,7 +500,20 @@ class HiCache:
                         backed += node.n_pages
                     node = node.parent
             self._update_gauges()
+        for h in loading:  # pages reused from the tree that another request's load is still writing
+            h.wait()
         return CommitResult(res.new_pages, int(res.reused[prefix:].sum()), backed)
+
+    def _loads_on_path(self, node: TreeNode) -> list[TransferHandle]:
+        """L2 -> L1 loads still writing the device pages of ``node``'s path (under the tree lock)."""
+        out: list[TransferHandle] = []
+        x: TreeNode | None = node
+        while x is not None and x.parent is not None:
+            h = x.load_handle
+            if h is not None and not h.done() and h not in out:
+                out.append(h)
+            x = x.parent
+        return out
 
     def _path_device(self, node: TreeNode) -> np.ndarray:
         parts = []

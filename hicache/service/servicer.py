@@ -84,6 +84,11 @@ def _within_deadline(wait: float | None, context: Ctx) -> float | None:
     return left if wait is None else min(wait, left)
 
 
+def _wait_all(handles: list[Any]) -> None:
+    for h in handles:
+        h.wait()
+
+
 def _open_request(entry: Entry, request_id: str) -> Request:
     """The entry's request, taken under ``entry.lock``: NOT_FOUND when a Release (or expiry) won the race
     since the entry was looked up."""
@@ -235,6 +240,9 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         except BaseException:
             self.table.drop(rid)
             raise
+        loading = [h for h in req.pending if not h.done()]
+        if loading:  # L1 pages another request is still loading from L2: reply once they hold their data
+            await blocking(_wait_all, loading)
         return self._match_response(req, rid, request.return_keys)
 
     def _peek(self, tokens: np.ndarray, ns: Any, l3: bool, keys: bool) -> Request:
