@@ -289,11 +289,16 @@ class HiCache:
         return req
 
     def prefetch(self, req: Request) -> int:
-        """Start L3 -> L2 for the request's L3 run when it is worth it; returns pages being fetched."""
+        """Start L3 -> L2 for the request's L3 run when it is worth it; returns pages being fetched.
+
+        At most once per request: a second call (the run is in the tree by then, or was given up) starts
+        nothing. The run is cut to the request's tokens as they are now (a commit of fewer tokens than
+        were matched shortens it)."""
         s = self.config.storage
-        n = req.l3_pages
-        if (self.storage is None or self.prefetcher is None or req.prefetch is not None or n == 0
-                or n * self.page_size < s.prefetch_threshold_tokens or not self.has_l2):
+        start = req.l1_pages + req.l2_pages
+        n = min(req.l3_pages, max(0, len(req.keys) - start))
+        if (self.storage is None or self.prefetcher is None or req.prefetch is not None or req.prefetched
+                or n == 0 or n * self.page_size < s.prefetch_threshold_tokens or not self.has_l2):
             return 0
         nbytes = n * self.layout.bytes_per_page
         with self._lock:
@@ -306,10 +311,17 @@ class HiCache:
                 return 0
             self._prefetch_inflight_bytes += nbytes
             self.metrics.prefetch_inflight_bytes.set(self._prefetch_inflight_bytes)
-        start = req.l1_pages + req.l2_pages
-        req.prefetch = self.prefetcher.submit(PrefetchTask(
-            self.storage, req.keys[start:start + n], self.host_pool, host, s.io_batch_pages, self._free_host_locked,
-            observe=self.metrics.storage_op["get"].observe))
+        try:
+            req.prefetch = self.prefetcher.submit(PrefetchTask(
+                self.storage, req.keys[start:start + n], self.host_pool, host, s.io_batch_pages,
+                self._free_host_locked, observe=self.metrics.storage_op["get"].observe))
+        except BaseException:
+            with self._lock:
+                self.host_pool.allocator.free(host)
+                self._prefetch_inflight_bytes -= nbytes
+                self.metrics.prefetch_inflight_bytes.set(self._prefetch_inflight_bytes)
+            raise
+        req.prefetched = True
         return n
 
     def _free_host_locked(self, pages: np.ndarray) -> None:

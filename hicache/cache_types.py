@@ -36,6 +36,7 @@ class Request:
     pending: list[Any] = field(default_factory=list)  # loads the L1 prefix still depends on
     owned_device: list[np.ndarray] = field(default_factory=list)  # allocated, not committed yet
     prefetch: PrefetchTask | None = None
+    prefetched: bool = False  # a prefetch was started for it (at most one per request)
     released: bool = False
 
     @property

@@ -182,7 +182,10 @@ class RouterServer:
     async def start(self) -> None:
         rc = self.rconfig
         interceptors = [BearerTokenInterceptor(rc.auth_token)] if rc.auth_token else []
-        self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        # a Route of max_request_tokens token ids must fit (int64 ids: up to ~10 bytes each on the wire)
+        max_msg = max(4 << 20, 10 * rc.max_request_tokens + (64 << 10))
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_msg)])
         rpb_grpc.add_RouterServicer_to_server(RouterServicer(self.router, self.metrics), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

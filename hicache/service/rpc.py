@@ -1,9 +1,11 @@
 """RPC plumbing shared by the handlers: status mapping, the concurrency bound, timing.
 
-``@unary`` / ``@streaming`` wrap a handler method of a servicer that provides ``_admit() -> bool``,
+``@unary`` / ``@streaming`` wrap a handler method of a servicer that provides ``_admit(always) -> bool``,
 ``_done(name, code, t0)`` and ``serve.max_concurrency``: a call beyond the bound ends with
-RESOURCE_EXHAUSTED before the handler runs; :class:`ServiceError` and :class:`CacheFullError` become
-their status codes; anything else is a bug, logged with its traceback and returned as INTERNAL.
+RESOURCE_EXHAUSTED before the handler runs (except ``ALWAYS_ADMITTED``: Release frees what the bound
+protects, and WatchEvents subscriptions last as long as their subscriber); :class:`ServiceError` and
+:class:`CacheFullError` become their status codes; anything else is a bug, logged with its traceback and
+returned as INTERNAL.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 log = logging.getLogger("hicache.service")
 
 
+ALWAYS_ADMITTED = frozenset({"Release", "WatchEvents"})
+
+
 def busy_message(limit: int) -> str:
     return f"more than {limit} RPCs in flight (serve.max_concurrency)"
 
@@ -43,7 +48,7 @@ def unary(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: Ctx) -> T:
-        if not self._admit():
+        if not self._admit(name in ALWAYS_ADMITTED):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 busy_message(self.serve.max_concurrency))
         t0 = time.perf_counter()
@@ -77,7 +82,7 @@ def streaming(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterato
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: Ctx) -> AsyncIterator[T]:
-        if not self._admit():
+        if not self._admit(name in ALWAYS_ADMITTED):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 busy_message(self.serve.max_concurrency))
         t0 = time.perf_counter()

@@ -18,6 +18,7 @@ client's Release or by idle expiry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import socket
@@ -53,6 +54,7 @@ DEFAULT_EVENT_QUEUE = 4096
 MAX_EVENT_QUEUE = 1 << 20
 PAGE_CHUNK_BYTES = 4 << 20  # ReadPages: at most this much page data per message (at least one page)
 DEADLINE_MARGIN_S = 0.02
+PROGRESS_POLL_S = 0.01  # Prefetch with stream_progress: how often the fetch is checked for its end
 T = TypeVar("T")
 
 
@@ -124,8 +126,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         metrics.event_sequence.set_function(lambda: hub.sequence)
 
     # ------------------------------------------------------------------ plumbing
-    def _admit(self) -> bool:
-        if self.inflight >= self.serve.max_concurrency:
+    def _admit(self, always: bool = False) -> bool:
+        if not always and self.inflight >= self.serve.max_concurrency:
             self.metrics.rpc_rejected.inc()
             return False
         self.inflight += 1
@@ -236,7 +238,14 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             else:
                 req = self._open(entry, tb, ns, False, False, request.return_keys)
         except asyncio.CancelledError:
-            raise  # the worker still opens the request under `rid` (released by Release or expiry)
+            # The worker finished first (``blocking``), so the request is open under `rid`. The caller
+            # named it and can Release it (or expiry will); an id made up here nobody can: release it now.
+            if not request.request_id:
+                with contextlib.suppress(ServiceError):
+                    entry = self.table.pop(rid)
+                    if entry.request is not None and not entry.request.released:
+                        self.cache.release(entry.request)
+            raise
         except BaseException:
             self.table.drop(rid)
             raise
@@ -287,10 +296,18 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 wait = self._prefetch_wait(req, context)
                 if request.stream_progress:
                     end = None if wait is None else time.monotonic() + wait
+                    next_msg = time.monotonic()
                     while not task.done() and (end is None or time.monotonic() < end):
-                        yield pb.PrefetchProgress(pages_total=total, pages_done=task.completed)
-                        step = interval if end is None else max(0.0, min(interval, end - time.monotonic()))
-                        await asyncio.sleep(step)
+                        now = time.monotonic()
+                        if now >= next_msg:
+                            yield pb.PrefetchProgress(pages_total=total, pages_done=task.completed)
+                            next_msg = now + interval
+                        # wake at least every PROGRESS_POLL_S: the wait ends when the fetch does, whatever
+                        # the interval
+                        step = min(next_msg - time.monotonic(), PROGRESS_POLL_S)
+                        if end is not None:
+                            step = min(step, end - time.monotonic())
+                        await asyncio.sleep(max(0.0, step))
                     wait = 0.0
                 await blocking(task.finish, wait)
             load = await blocking(self._load, req)
@@ -353,14 +370,21 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     @unary
     async def Release(self, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
         entry = self.table.pop(request.request_id)
+        # shielded: the id has left the table, so a release cut short by the caller's deadline or
+        # cancellation would leave the request's locks and pins for good
+        await asyncio.shield(self._release(entry))
+        return pb.ReleaseResponse()
+
+    async def _release(self, entry: Entry) -> None:
         async with entry.lock:
             req = entry.request
             assert req is not None
+            if req.released:
+                return
             if req.prefetch is not None:
                 await blocking(self.cache.release, req)
             else:
                 self.cache.release(req)
-        return pb.ReleaseResponse()
 
     # ------------------------------------------------------------------ Stats / events / pool
     @unary

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import redis
 
 from hicache.storage.redis_backend import RedisBackend
 from hicache.storage.redis_local import LocalRedis
@@ -155,6 +156,13 @@ def _serves_after_failover(b, keys: list[bytes], n_old: int, src, dst, deadline:
     assert pages_equal(src, dst, new, new)
 
 
+def _wait_replicated(client: redis.Redis, timeout_s: float = 30.0) -> None:
+    """Until a replica acknowledged every write so far (a replica's first sync can take seconds on a busy
+    machine; one WAIT is bounded by the client's socket timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while client.execute_command("WAIT", 1, 2000) != 1:
+        assert time.monotonic() < deadline, "no replica acknowledged the writes"
+
 def test_sentinel_failover_keeps_pages_and_serving(open_backend, prefix) -> None:
     """SIGKILL the master: the Sentinel promotes the replica, the backend follows it, the pages written
     before the failover (replicated) are still read back, and new pages are stored on the new master."""
@@ -167,7 +175,7 @@ def test_sentinel_failover_keeps_pages_and_serving(open_backend, prefix) -> None
         src, dst = make_pool(32, seed=17), make_pool(32, seed=None)
         assert b.batch_set(keys[:8], src, list(range(8))) == 8
         mc = m.client()
-        assert mc.execute_command("WAIT", 1, 5000) == 1  # the replica has them
+        _wait_replicated(mc)  # the replica has them
         mc.close()
         m.kill()
         rc = rep.client()
@@ -200,7 +208,7 @@ def test_cluster_failover_keeps_pages_and_serving(open_backend, prefix) -> None:
 
         victim = next(n for n in cl.nodes if role(n) == b"master")
         vc = victim.client()
-        assert vc.execute_command("WAIT", 1, 5000) == 1
+        _wait_replicated(vc)
         held = vc.dbsize()
         vc.close()
         assert held > 0  # the victim holds some of the pages
