@@ -295,10 +295,11 @@ class HiCache:
         nothing. The run is cut to the request's tokens as they are now (a commit of fewer tokens than
         were matched shortens it)."""
         s = self.config.storage
-        start = req.l1_pages + req.l2_pages
-        n = min(req.l3_pages, max(0, len(req.keys) - start))
+        # pages the request holds already: its match's L1 + L2 run, or more once it committed its own
+        start = max(req.l1_pages + req.l2_pages, len(req.device_indices))
+        n = min(req.l1_pages + req.l2_pages + req.l3_pages, len(req.keys)) - start
         if (self.storage is None or self.prefetcher is None or req.prefetch is not None or req.prefetched
-                or n == 0 or n * self.page_size < s.prefetch_threshold_tokens or not self.has_l2):
+                or n <= 0 or n * self.page_size < s.prefetch_threshold_tokens or not self.has_l2):
             return 0
         nbytes = n * self.layout.bytes_per_page
         with self._lock:
@@ -322,6 +323,7 @@ class HiCache:
                 self.metrics.prefetch_inflight_bytes.set(self._prefetch_inflight_bytes)
             raise
         req.prefetched = True
+        req.prefetch_start = start
         return n
 
     def _free_host_locked(self, pages: np.ndarray) -> None:
@@ -350,7 +352,7 @@ class HiCache:
             if n == 0:
                 req.prefetch = None
                 return 0
-            start = req.l1_pages + req.l2_pages
+            start = req.prefetch_start  # the task's pages are keys[start:start + its pages]
             end = start + n
             res = self.tree.insert(req.ns.digest, req.token_bytes[: end * self.page_size * 4], req.keys[:end],
                                    host=task.host_pages[:n], start_page=start)

@@ -37,6 +37,7 @@ class Request:
     owned_device: list[np.ndarray] = field(default_factory=list)  # allocated, not committed yet
     prefetch: PrefetchTask | None = None
     prefetched: bool = False  # a prefetch was started for it (at most one per request)
+    prefetch_start: int = 0  # the page its prefetch starts at
     released: bool = False
 
     @property

@@ -1,9 +1,10 @@
 """RPC plumbing shared by the handlers: status mapping, the concurrency bound, timing.
 
-``@unary`` / ``@streaming`` wrap a handler method of a servicer that provides ``_admit(always) -> bool``,
+``@unary`` / ``@streaming`` wrap a handler method of a servicer that provides ``_admit(name) -> bool``,
 ``_done(name, code, t0)`` and ``serve.max_concurrency``: a call beyond the bound ends with
-RESOURCE_EXHAUSTED before the handler runs (except ``ALWAYS_ADMITTED``: Release frees what the bound
-protects, and WatchEvents subscriptions last as long as their subscriber); :class:`ServiceError` and
+RESOURCE_EXHAUSTED before the handler runs. Release is always admitted (it frees what the bound
+protects); WatchEvents subscriptions, which last as long as their subscriber, are neither bounded nor
+counted against it (``UNBOUNDED``); :class:`ServiceError` and
 :class:`CacheFullError` become their status codes; anything else is a bug, logged with its traceback and
 returned as INTERNAL.
 """
@@ -27,7 +28,8 @@ Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 log = logging.getLogger("hicache.service")
 
 
-ALWAYS_ADMITTED = frozenset({"Release", "WatchEvents"})
+ALWAYS_ADMITTED = frozenset({"Release"})  # counted against serve.max_concurrency, never refused
+UNBOUNDED = frozenset({"WatchEvents"})  # neither refused nor counted
 
 
 def busy_message(limit: int) -> str:
@@ -48,7 +50,7 @@ def unary(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: Ctx) -> T:
-        if not self._admit(name in ALWAYS_ADMITTED):
+        if not self._admit(name):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 busy_message(self.serve.max_concurrency))
         t0 = time.perf_counter()
@@ -82,7 +84,7 @@ def streaming(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterato
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Any, context: Ctx) -> AsyncIterator[T]:
-        if not self._admit(name in ALWAYS_ADMITTED):
+        if not self._admit(name):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 busy_message(self.serve.max_concurrency))
         t0 = time.perf_counter()

@@ -38,7 +38,7 @@ from hicache.service.events import EventHub
 from hicache.service.metrics_http import ServiceMetrics
 from hicache.service.pages import gather_pages, scatter_pages
 from hicache.service.requests import Entry, RequestTable
-from hicache.service.rpc import Ctx, busy_message, log, status_of, streaming, unary
+from hicache.service.rpc import ALWAYS_ADMITTED, UNBOUNDED, Ctx, busy_message, log, status_of, streaming, unary
 from hicache.service.shared_pool import SharedPool
 from hicache.service.validation import (
     NamespaceResolver,
@@ -126,15 +126,19 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         metrics.event_sequence.set_function(lambda: hub.sequence)
 
     # ------------------------------------------------------------------ plumbing
-    def _admit(self, always: bool = False) -> bool:
-        if not always and self.inflight >= self.serve.max_concurrency:
+    def _admit(self, name: str) -> bool:
+        """Whether a call of ``name`` may start (see :mod:`.rpc`); counts it in ``inflight`` if bounded."""
+        if name in UNBOUNDED:
+            return True
+        if name not in ALWAYS_ADMITTED and self.inflight >= self.serve.max_concurrency:
             self.metrics.rpc_rejected.inc()
             return False
         self.inflight += 1
         return True
 
     def _done(self, name: str, code: str, t0: float) -> None:
-        self.inflight -= 1
+        if name not in UNBOUNDED:
+            self.inflight -= 1
         self._hist[name].observe(time.perf_counter() - t0)
         c = self._counts.get((name, code))
         if c is None:
@@ -188,7 +192,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     async def MatchStream(self, request_iterator: AsyncIterator[pb.MatchRequest],
                           context: Ctx) -> AsyncIterator[pb.MatchResponse]:
         # Not wrapped by @streaming (one generator layer less per message on the hot path); same accounting.
-        if not self._admit():
+        if not self._admit("MatchStream"):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 busy_message(self.serve.max_concurrency))
         hist = self._hist["Match"]

@@ -34,13 +34,16 @@ class SlowStore(MemoryBackend):
         return super().batch_get(keys, host_pool, host_indices)
 
 
+_CFG: dict[str, dict[str, Any]] = {
+    "layout": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "page_size": PS},
+    "cache": {"l1_tokens": 64 * PS, "l2_tokens": 64 * PS, "write_policy": "write_through"},
+    "storage": {"prefetch_policy": "wait_complete", "prefetch_threshold_tokens": 0, "io_batch_pages": 1},
+    "serve": {"port": 0, "metrics_port": 0, "shared_pool": False, "shutdown_grace_s": 1.0},
+}
+
+
 def config() -> Any:
-    return config_from_dict({
-        "layout": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "page_size": PS},
-        "cache": {"l1_tokens": 64 * PS, "l2_tokens": 64 * PS, "write_policy": "write_through"},
-        "storage": {"prefetch_policy": "wait_complete", "prefetch_threshold_tokens": 0, "io_batch_pages": 1},
-        "serve": {"port": 0, "metrics_port": 0, "shared_pool": False, "shutdown_grace_s": 1.0},
-    })
+    return config_from_dict(_CFG)
 
 
 def test_prefetch_stops_at_the_deadline() -> None:
@@ -124,3 +127,72 @@ def test_allocate_and_commit_racing_a_release_get_not_found() -> None:
             await node.stop(0.1)
 
     asyncio.run(main())
+
+
+def test_a_release_cut_short_by_its_deadline_still_releases() -> None:
+    """Release waits for the request's lock (here: a slow Prefetch holds it). When the caller's deadline
+    passes meanwhile, the release still completes: no page stays locked or pinned."""
+    async def main() -> None:
+        cfg = config()
+        ns = cfg.namespace()
+        node = NodeServer(cfg, storage=SlowStore("memory://", StorageContext(ns.digest, ns.layout)))
+        await node.start()
+        try:
+            cache = node.cache
+            assert cache is not None
+            toks = np.arange(1, PAGES * PS + 1, dtype=np.uint32)
+            async with AsyncHiCacheClient(f"127.0.0.1:{node.port}") as c:
+                m = await c.match(toks, "w")
+                await c.commit("w", toks, await c.allocate("w", m.num_pages))
+                await c.release("w")
+                cache.flush()
+                cache.clear()  # the prompt is on L3 only: a prefetch takes PAGES * SLOW_S
+                await c.match(toks, "o")
+                prefetch = asyncio.ensure_future(_drain(c.prefetch("o", timeout_s=10)))
+                await asyncio.sleep(0.2)
+                try:
+                    await c.release("o", timeout_s=0.3)
+                    raise AssertionError("the release should have outlived its deadline")
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                await prefetch
+            for _ in range(100):  # the shielded release runs once the prefetch lets go of the lock
+                if node.servicer.inflight == 0:
+                    break
+                await asyncio.sleep(0.05)
+            cache.check_integrity()
+            cache.clear()  # drops every page no request holds: all of them, if "o" was released
+            assert cache.device_pool.allocator.used_pages == 0
+            assert cache.host_pool.allocator.used_pages == 0
+        finally:
+            await node.stop(0.1)
+
+    asyncio.run(main())
+
+
+def test_watchers_do_not_use_up_the_concurrency_bound() -> None:
+    """WatchEvents subscriptions are not counted against serve.max_concurrency; Release is never refused."""
+    async def main() -> None:
+        cfg = config_from_dict({**_CFG, "serve": {**_CFG["serve"], "max_concurrency": 2}})
+        node = NodeServer(cfg)
+        await node.start()
+        try:
+            toks = np.arange(1, 4 * PS + 1, dtype=np.uint32)
+            async with AsyncHiCacheClient(f"127.0.0.1:{node.port}") as c:
+                watchers = [asyncio.ensure_future(_drain(c.watch_events())) for _ in range(4)]
+                await asyncio.sleep(0.2)
+                m = await c.match(toks, "r")  # four watchers open, bound 2: still admitted
+                await c.commit("r", toks, await c.allocate("r", m.num_pages))
+                await c.release("r")
+                for w in watchers:
+                    w.cancel()
+                await asyncio.gather(*watchers, return_exceptions=True)
+        finally:
+            await node.stop(0.1)
+
+    asyncio.run(main())
+
+
+async def _drain(stream: Any) -> None:
+    async for _ in stream:
+        pass

@@ -100,11 +100,15 @@ def test_concurrency_limit_metrics_health_reflection(server_factory: Callable[..
     with HiCacheClient(srv.target) as c:
         assert c.match(toks, peek=True).num_pages == 4
         events = c.watch_events()
-        next(iter(events))  # one RPC in flight now: the event stream
+        next(iter(events))  # an event subscription is not counted against the bound ...
+        assert c.match(toks, peek=True).num_pages == 4
+        stream = c.match_stream()
+        assert stream.match(toks, peek=True).num_pages == 4  # ... a match stream is: one RPC in flight now
         with pytest.raises(grpc.RpcError) as ei:
             c.match(toks, peek=True)
         assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_concurrency" in ei.value.details()
+        stream.close()
         events.close()  # type: ignore[attr-defined]
         deadline = time.monotonic() + 5
         while True:  # the server notices the cancelled stream shortly after

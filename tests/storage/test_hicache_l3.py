@@ -252,3 +252,39 @@ def test_l3_counters_are_current_at_every_scrape() -> None:
         assert 0 < metric(cache, "hicache_prefetch_seconds_sum") < 10
     finally:
         cache.close()
+
+
+def test_prefetch_runs_once_and_follows_a_shorter_commit() -> None:
+    """A second prefetch of a request reads nothing more from the store; a request that committed fewer
+    tokens than it matched prefetches only what its tokens still cover, and leaks no L2 page."""
+    cache = cache_for("memory://", {})
+    try:
+        tokens = list(range(1, 33))  # 8 pages
+        commit_fresh(cache, tokens, seed=22)
+        assert cache.flush(10) is not None
+        cache.evict(l1_pages=8, l2_pages=8)
+        req = cache.match(tokens)
+        assert req.l3_pages == 8
+        assert cache.prefetch(req) == 8
+        cache.load_back(req).wait()
+        reads = metric(cache, "hicache_storage_pages_read_total")
+        assert cache.prefetch(req) == 0  # once per request
+        cache.load_back(req).wait()
+        cache.stats()  # brings the storage counters up to date
+        assert metric(cache, "hicache_storage_pages_read_total") == reads
+        cache.release(req)
+
+        cache.evict(l1_pages=8, l2_pages=8)
+        req = cache.match(tokens)
+        assert req.l3_pages == 8
+        own = cache.alloc(req, 2)
+        cache.commit(req, tokens[:8], own)  # computed the first 2 pages itself
+        assert cache.prefetch(req) == 0  # its tokens are all on L1 now: nothing left to fetch
+        cache.load_back(req).wait()
+        cache.release(req)
+        cache.check_integrity()
+        cache.flush(10)  # the commit's write_through backups and their L3 writes
+        cache.clear()
+        assert cache.host_pool.allocator.used_pages == 0 and cache.device_pool.allocator.used_pages == 0
+    finally:
+        cache.close()
