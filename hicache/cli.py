@@ -81,6 +81,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # what a subcommand did not turn into its own message: one line, not a traceback
+        if os.environ.get("HICACHE_DEBUG"):
+            raise
+        code, msg = failure(e)
+        print(f"hicache {args.command}: {msg} (HICACHE_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return code
+
+
+# errors of what the user asked for (exit 2); anything else is exit 1
+INPUT_ERRORS = (ValueError, OverflowError, OSError, MemoryError, LookupError, TypeError)
+
+
+def failure(e: BaseException) -> tuple[int, str]:
+    """Exit code and one line for an exception that reached the command line."""
+    if type(e).__module__.startswith("grpc"):  # a call to a node or router failed (grpc not imported here)
+        code = getattr(e, "code", None)
+        details = getattr(e, "details", None)
+        if callable(code) and callable(details):
+            return 1, f"{code().name}: {details()}"
+    if isinstance(e, OSError) and e.filename is not None:
+        return 2, f"{e.filename}: {e.strerror or e}"
+    if isinstance(e, MemoryError):
+        return 2, f"not enough memory: {e or 'the sizes asked for are too large'}"
+    text = (str(e).strip().splitlines() or [""])[0]
+    name = type(e).__name__
+    if isinstance(e, RuntimeError) and "bind" in text.lower():
+        return 2, f"{name}: {text} (is the port already in use?)"
+    return (2 if isinstance(e, INPUT_ERRORS) else 1), f"{name}: {text}" if text else name
 
 
 if __name__ == "__main__":

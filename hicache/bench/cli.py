@@ -209,9 +209,30 @@ def run_policy_table(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+OUTPUT_FILES = ("result.json", "requests.csv", "curve.csv", "hit_rate.png")  # what --out DIR holds
+
+
+def check_outputs(trace: str | None, json_path: str | None, out_dir: str | None = None) -> None:
+    """Refuse output paths that would overwrite the trace being read, or a --out that is a file
+    (:class:`BenchInputError`), before any work is done."""
+    src = Path(trace).resolve() if trace else None
+    outs = [Path(json_path)] if json_path else []
+    if out_dir:
+        d = Path(out_dir)
+        if d.exists() and not d.is_dir():
+            raise BenchInputError(f"--out {out_dir}: exists and is not a directory")
+        outs += [d / f for f in OUTPUT_FILES]
+    for p in outs:
+        if src is not None and p.resolve() == src:
+            raise BenchInputError(f"{p}: is the trace being read; write the results elsewhere")
+        if p.is_dir():
+            raise BenchInputError(f"{p}: is a directory, not a file to write")
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
     try:
+        check_outputs(args.trace, args.json, None if args.policy_table else args.out)
         if args.policy_table:
             return run_policy_table(args, console)
         from hicache.bench.report import render, write_outputs

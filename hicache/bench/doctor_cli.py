@@ -22,7 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from hicache.bench.cli import add_common, options
+from hicache.bench.cli import add_common, check_outputs, options
 from hicache.bench.doctor import DoctorReport, run_doctor
 from hicache.bench.errors import BenchInputError
 from hicache.bench.optimal import page_trace
@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         from hicache.bench.run import MODEL_LAYOUTS, load_requests
 
         args.capacities = ""
+        check_outputs(args.trace, args.json)
         opts = options(args)
         wl = load_requests(opts)
         ws = page_trace(wl.requests, wl.page_size).working_set_tokens

@@ -20,6 +20,7 @@ Errors are :class:`BenchInputError` naming the file and line.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,27 +70,34 @@ def _ids(path: Path, n: int, obj: dict[str, Any], field: str) -> np.ndarray:
     v = obj.get(field, [])
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         raise BenchInputError(f"trace {path}:{n}: '{field}' must be a list of integer token ids")
-    arr = np.asarray(v, dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() >= 1 << 32):
+    if any(t < 0 or t >= 1 << 32 for t in v):
         raise BenchInputError(f"trace {path}:{n}: '{field}' holds ids outside [0, 2**32)")
-    return arr.astype(np.uint32)
+    return np.asarray(v, dtype=np.uint32)
 
 
 def _timestamp(path: Path, n: int, obj: dict[str, Any], scale: float) -> float:
     t = obj.get("timestamp", 0)
     if not isinstance(t, int | float) or isinstance(t, bool):
         raise BenchInputError(f"trace {path}:{n}: 'timestamp' must be a number")
-    return float(t) * scale
+    try:
+        ts = float(t) * scale
+    except OverflowError:
+        ts = math.inf
+    if not math.isfinite(ts) or ts < 0:
+        raise BenchInputError(f"trace {path}:{n}: 'timestamp' must be a finite number >= 0, got {t!r}")
+    return ts
 
 
 def _mooncake(path: Path, n: int, obj: dict[str, Any]) -> TraceRequest:
     hid, length = obj.get("hash_ids"), obj.get("input_length")
-    if not isinstance(hid, list) or not hid or not all(isinstance(h, int) and h >= 0 for h in hid):
-        raise BenchInputError(f"trace {path}:{n}: 'hash_ids' must be a non-empty list of ids >= 0")
-    if not isinstance(length, int) or not (MOONCAKE_BLOCK * (len(hid) - 1) < length <= MOONCAKE_BLOCK * len(hid)):
+    if not isinstance(hid, list) or not hid or not all(
+            isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64 for h in hid):
+        raise BenchInputError(f"trace {path}:{n}: 'hash_ids' must be a non-empty list of ids in [0, 2**64)")
+    if (not isinstance(length, int) or isinstance(length, bool)
+            or not MOONCAKE_BLOCK * (len(hid) - 1) < length <= MOONCAKE_BLOCK * len(hid)):
         raise BenchInputError(f"trace {path}:{n}: 'input_length' {length!r} does not fit {len(hid)} blocks "
                               f"of {MOONCAKE_BLOCK} tokens")
-    tokens = block_tokens(np.asarray(hid))[:length]
+    tokens = block_tokens(np.asarray(hid, dtype=np.uint64))[:length]
     return TraceRequest(tokens, np.empty(0, np.uint32), _timestamp(path, n, obj, 1e-3), "", "mooncake")
 
 

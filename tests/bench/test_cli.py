@@ -63,6 +63,8 @@ def test_bad_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     (["bench", "--target", "tcp://x"], ["--target"]),
     (["doctor", "--trace", "/nonexistent/t.jsonl"], ["no such file"]),
     (["doctor", "--workload", "chat"], ["unknown workload"]),
+    (["bench", "--requests", "20", "--l3", "ftp://x"], ["unknown scheme 'ftp'"]),
+    (["bench", "--requests", "20", "--seed", "-1"], ["non-negative"]),
 ])
 def test_bad_input_exits_2(argv: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--quiet"] if argv[0] == "bench" else argv) == 2
@@ -87,3 +89,30 @@ def test_settle_defaults_and_flag(tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert main(["bench", *SMALL, "--workload", "rag", "--no-settle", "--json", str(out / "r.json")]) == 0
     assert json.loads((out / "r.json").read_text())["settled"] is False
+
+
+def test_outputs_never_overwrite_the_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--json`` or ``--out`` naming the trace being read is refused before anything is written."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"tokens": [1, 2, 3, 4]}\n{"tokens": [1, 2, 3, 5]}\n')
+    before = trace.read_bytes()
+    for argv in (["bench", "--trace", str(trace), "--json", str(trace), "--quiet"],
+                 ["doctor", "--trace", str(trace), "--json", str(trace)],
+                 ["bench", "--trace", str(tmp_path / "requests.csv"), "--out", str(tmp_path), "--quiet"]):
+        if argv[2].endswith("requests.csv"):
+            (tmp_path / "requests.csv").write_bytes(before)
+        assert main(argv) == 2
+        _one_line_error(capsys, "is the trace being read")
+        assert trace.read_bytes() == before
+    assert (tmp_path / "requests.csv").read_bytes() == before
+
+
+@pytest.mark.parametrize("line", ['{"tokens": [99999999999999999999999]}',
+                                  '{"timestamp": 0, "input_length": 600, "output_length": 1, '
+                                  '"hash_ids": [1, 18446744073709551616]}',
+                                  '{"tokens": [1, 2], "timestamp": -1}'])
+def test_out_of_range_trace_values_exit_2(line: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(line + "\n")
+    assert main(["bench", "--trace", str(trace), "--quiet"]) == 2
+    _one_line_error(capsys, f"{trace}:1")
