@@ -9,6 +9,7 @@ Load it with :func:`load_config` from YAML (sections ``model``, ``layout``, ``ca
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -184,10 +185,15 @@ class ServeConfig:
         _require(0 <= self.port < 65536, "serve.port", "in [0, 65535]", self.port)
         _require(0 <= self.metrics_port < 65536, "serve.metrics_port", "in [0, 65535]", self.metrics_port)
         _require(self.max_concurrency >= 1, "serve.max_concurrency", ">= 1", self.max_concurrency)
+        _require(math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0, "serve.shutdown_grace_s",
+                 "a number >= 0", self.shutdown_grace_s)
         _require(self.max_message_bytes >= 1 << 20, "serve.max_message_bytes", ">= 1 MiB", self.max_message_bytes)
         _require(self.max_request_tokens >= 1, "serve.max_request_tokens", ">= 1", self.max_request_tokens)
         _require(bool(self.tls_cert) == bool(self.tls_key), "serve.tls_key", "set together with serve.tls_cert",
                  self.tls_key)
+        # mTLS without TLS would serve plaintext while the operator believes clients are checked
+        _require(not self.tls_client_ca or bool(self.tls_cert), "serve.tls_client_ca",
+                 "set only with serve.tls_cert and serve.tls_key (mTLS needs TLS)", self.tls_client_ca)
 
 
 @dataclass
@@ -310,6 +316,9 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
 
 
 def merge(base: Mapping[str, Any], *overlays: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    for k, v in base.items():
+        if v is not None and not isinstance(v, Mapping):
+            raise ConfigError(f"{k}: must be a mapping, got {type(v).__name__}")
     out: dict[str, Any] = {k: dict(v or {}) for k, v in base.items()}
     for ov in overlays:
         for section, values in ov.items():

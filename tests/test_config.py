@@ -48,6 +48,8 @@ def test_yaml_env_and_overrides(tmp_path: Path) -> None:
         ({"cache": {"transfer_options": {"layer_signal": "polling"}}}, "cache.transfer_options.layer_signal"),
         ({"cache": {"transfer_options": [1]}}, "cache.transfer_options"),
         ({"cache": {"host_layout": "block"}}, "cache.host_layout"),
+        ({"serve": {"tls_client_ca": "/ca.pem"}}, "serve.tls_client_ca"),
+        ({"serve": {"shutdown_grace_s": -5}}, "serve.shutdown_grace_s"),
         ({"cache": {"host_block_pages": -1}}, "cache.host_block_pages"),
     ],
 )
