@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -91,10 +92,10 @@ class BenchOptions:
                                   f"known: {', '.join(MODEL_LAYOUTS)}")
         if self.page_size is not None and self.page_size < 1:
             raise BenchInputError(f"--page-size: must be >= 1, got {self.page_size}")
-        if self.prefill_rate <= 0 or self.l2_bandwidth <= 0 or self.l3_bandwidth <= 0:
-            raise BenchInputError("--prefill-rate and bandwidths must be > 0")
-        if self.speed <= 0:
-            raise BenchInputError(f"--speed: must be > 0, got {self.speed}")
+        if not all(math.isfinite(v) and v > 0 for v in (self.prefill_rate, self.l2_bandwidth, self.l3_bandwidth)):
+            raise BenchInputError("--prefill-rate and bandwidths must be finite numbers > 0")
+        if not (math.isfinite(self.speed) and self.speed > 0):
+            raise BenchInputError(f"--speed: must be a finite number > 0, got {self.speed}")
 
 
 @dataclass
@@ -108,6 +109,10 @@ class Workload:
 
 
 def load_requests(opts: BenchOptions) -> Workload:
+    if opts.page_size is not None and opts.page_size < 1:
+        raise BenchInputError(f"--page-size: must be >= 1, got {opts.page_size}")
+    if opts.limit is not None and opts.limit < 1:
+        raise BenchInputError(f"--limit: must be >= 1, got {opts.limit}")
     tok = load_tokenizer(opts.tokenizer)
     if opts.trace:
         reqs = load_trace(opts.trace, opts.trace_format, tok, opts.limit)
@@ -143,6 +148,8 @@ def storage_url(l3: str) -> Iterator[tuple[str, str]]:
         yield "memory://", "memory://"
         return
     if l3 != "file":
+        if "://" not in l3:
+            raise BenchInputError(f"--l3 {l3!r}: file, memory, none, or a storage URL (redis://..., file:///path)")
         yield l3, l3
         return
     try:

@@ -102,6 +102,10 @@ class FileBackend(StorageBackend):
             self.fs = filesystem
             self.root = urlparse(url).path.rstrip("/") if scheme else url.rstrip("/")
         elif scheme in ("", "file"):
+            host = urlparse(url).netloc
+            if scheme == "file" and host not in ("", "localhost"):
+                # file://relative/x would otherwise mean /x on this machine
+                raise ValueError(f"file store: {url!r} names host {host!r}; use file:///absolute/path")
             path = urlparse(url).path if scheme == "file" else url
             if not path:
                 raise ValueError(f"file store: no path in {url!r}")

@@ -65,6 +65,10 @@ def test_bad_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     (["doctor", "--workload", "chat"], ["unknown workload"]),
     (["bench", "--requests", "20", "--l3", "ftp://x"], ["unknown scheme 'ftp'"]),
     (["bench", "--requests", "20", "--seed", "-1"], ["non-negative"]),
+    (["bench", "--requests", "20", "--l3", "nonsense"], ["--l3 'nonsense'"]),
+    (["bench", "--requests", "20", "--l3", "file://relative/x"], ["use file:///absolute/path"]),
+    (["bench", "--requests", "20", "--prefill-rate", "nan"], ["--prefill-rate"]),
+    (["doctor", "--page-size", "-5"], ["--page-size"]),
 ])
 def test_bad_input_exits_2(argv: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--quiet"] if argv[0] == "bench" else argv) == 2
