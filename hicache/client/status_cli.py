@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -178,11 +179,15 @@ def render(view: dict[str, Any], target: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     target = args.target.removeprefix("grpc://")
-    if ":" not in target:
-        print(f"hicache status: target {args.target!r}: expected host:port", file=sys.stderr)
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        print(f"hicache status: target {args.target!r}: expected host:port (port 1-65535)", file=sys.stderr)
         return 2
-    if args.watch is not None and args.watch <= 0:
-        print("hicache status: --watch: must be > 0 seconds", file=sys.stderr)
+    if args.watch is not None and not (math.isfinite(args.watch) and args.watch > 0):
+        print("hicache status: --watch: must be a finite number > 0 seconds", file=sys.stderr)
+        return 2
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        print("hicache status: --timeout: must be a finite number > 0 seconds", file=sys.stderr)
         return 2
     if args.count is not None and (args.count < 1 or args.watch is None):
         print("hicache status: --count: needs --watch and a count >= 1", file=sys.stderr)

@@ -114,6 +114,10 @@ def test_token_and_errors(server_factory: Callable[..., ServerProc], capsys: pyt
     assert status(capsys, "localhost")[0] == 2
     assert status(capsys, s.target, "--count", "3")[0] == 2
     assert status(capsys, s.target, "--watch", "0")[0] == 2
+    for bad in ("127.0.0.1:abc", "127.0.0.1:99999", "http://h:p", ":50051"):  # malformed: no waiting, exit 2
+        assert status(capsys, bad)[0] == 2
+    assert status(capsys, s.target, "--timeout", "nan")[0] == 2
+    assert status(capsys, s.target, "--watch", "nan")[0] == 2
 
 
 @pytest.fixture(scope="module")
