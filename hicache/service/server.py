@@ -30,6 +30,7 @@ from hicache.config import HiCacheConfig
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache.service.auth import BearerTokenInterceptor
+from hicache.service.decode import DecodeGuard
 from hicache.service.events import EventHub
 from hicache.service.metrics_http import MetricsServer, ServiceMetrics
 from hicache.service.servicer import HiCacheServicer
@@ -91,7 +92,9 @@ class NodeServer:
         self.cache.add_listener(self.hub.on_tree_event)
         self.metrics = ServiceMetrics(self.cache.metrics.registry)
         self.servicer = HiCacheServicer(self.cache, s, self.metrics, self.hub, self.shared, self.request_ttl_s)
-        interceptors = [BearerTokenInterceptor(s.auth_token)] if s.auth_token else []
+        interceptors: list[grpc.aio.ServerInterceptor] = [DecodeGuard()]
+        if s.auth_token:
+            interceptors.append(BearerTokenInterceptor(s.auth_token))
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),

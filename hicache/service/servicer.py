@@ -34,6 +34,7 @@ from hicache.cache import CacheFullError, HiCache, LoadResult, PinInfo, Request
 from hicache.config import ServeConfig
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicache.service.decode import Undecodable
 from hicache.service.events import EventHub
 from hicache.service.metrics_http import ServiceMetrics
 from hicache.service.pages import gather_pages, scatter_pages
@@ -203,6 +204,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             async for request in request_iterator:
                 t0 = pc()
                 try:
+                    if isinstance(request, Undecodable):
+                        raise invalid(request.message)
                     resp = await self._match(request)
                 except (ServiceError, CacheFullError) as e:
                     code, msg = status_of(e)
@@ -525,6 +528,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         tb = b""
         bpp = self.cache.layout.bytes_per_page
         async for msg in request_iterator:
+            if isinstance(msg, Undecodable):
+                raise invalid(msg.message)
             part = msg.WhichOneof("part")
             if header is None:
                 if part != "header":

@@ -156,3 +156,26 @@ def test_allocate_beyond_what_can_be_freed_is_refused_without_evicting(
         assert state(c) == before  # nothing was evicted for a call that could not succeed
         assert len(c.allocate("x", 8)) == 8  # all 8: the cached prompt is evicted to make room
         c.release("x")
+
+
+def test_undecodable_messages_are_invalid_argument(client: HiCacheClient) -> None:
+    """Bytes that are not a valid message (truncated, or a string field that is not UTF-8) get
+    INVALID_ARGUMENT naming the decode failure, on unary and streaming calls; the stream goes on."""
+    before = state(client)
+    truncated = b"\x0a\x05ab"  # field 1, length 5, but 2 bytes follow
+    bad_utf8 = pb.MatchRequest(request_id="x").SerializeToString().replace(b"x", b"\xff")
+    for method in ("Match", "Release", "Stats"):
+        call = client.channel.unary_unary(f"/hicache.v1.HiCache/{method}", request_serializer=None,
+                                          response_deserializer=None)
+        for raw in (truncated, bad_utf8) if method != "Stats" else (truncated,):  # Stats has no string field
+            with pytest.raises(grpc.RpcError) as ei:
+                call(raw, timeout=5)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, ei.value.code())
+            assert "could not be decoded" in ei.value.details()
+    assert state(client) == before  # nothing changed, nothing counted
+    stream = client.channel.stream_stream("/hicache.v1.HiCache/MatchStream", request_serializer=None,
+                                          response_deserializer=pb.MatchResponse.FromString)
+    good = pb.MatchRequest(token_ids=list(range(1, PS + 1)), peek=True).SerializeToString()
+    replies = list(stream(iter([truncated, good]), timeout=5))
+    assert replies[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert not replies[1].HasField("error") and replies[1].num_pages == 1

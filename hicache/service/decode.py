@@ -1,0 +1,54 @@
+"""Requests that cannot be decoded get INVALID_ARGUMENT with a message.
+
+gRPC answers a request whose bytes its deserializer rejects (truncated or corrupt protobuf, invalid UTF-8
+in a string field) with UNKNOWN, before any handler runs. :class:`DecodeGuard` wraps each ``hicache.v1``
+method's deserializer so that such a message becomes an :class:`Undecodable` value instead; the RPC
+wrappers (:mod:`.rpc`) and the streaming handlers turn it into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+SERVICE_PREFIX = "/hicache.v1."
+
+
+class Undecodable:
+    """A request message that could not be decoded; ``reason`` is the decoder's message."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    @property
+    def message(self) -> str:
+        return f"request message could not be decoded: {self.reason}"
+
+
+def _guarded(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as e:  # protobuf's DecodeError and friends: bad bytes from the client
+            return Undecodable(str(e) or type(e).__name__)
+
+    return decode
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Wraps the request deserializer of every ``hicache.v1`` method (see the module docstring)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if (handler is None or not details.method.startswith(SERVICE_PREFIX)
+                or getattr(handler, "request_deserializer", None) is None or not hasattr(handler, "_replace")):
+            return handler
+        return handler._replace(request_deserializer=_guarded(handler.request_deserializer))
