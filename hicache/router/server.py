@@ -31,6 +31,7 @@ from hicache.router.config import RouterConfig
 from hicache.router.core import NoNodeError, RouteDecision, Router
 from hicache.router.feed import NodeFeed
 from hicache.service.auth import BearerTokenInterceptor
+from hicache.service.decode import DecodeGuard
 from hicache.service.metrics_http import RPC_BUCKETS, MetricsServer
 from hicache.service.server import server_credentials
 from hicache.service.validation import NamespaceResolver, ServiceError, token_bytes
@@ -181,7 +182,9 @@ class RouterServer:
 
     async def start(self) -> None:
         rc = self.rconfig
-        interceptors = [BearerTokenInterceptor(rc.auth_token)] if rc.auth_token else []
+        interceptors: list[grpc.aio.ServerInterceptor] = [DecodeGuard()]
+        if rc.auth_token:
+            interceptors.append(BearerTokenInterceptor(rc.auth_token))
         # a Route of max_request_tokens token ids must fit (int64 ids: up to ~10 bytes each on the wire)
         max_msg = max(4 << 20, 10 * rc.max_request_tokens + (64 << 10))
         self.server = grpc.aio.server(interceptors=interceptors, options=[

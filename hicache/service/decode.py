@@ -2,13 +2,14 @@
 
 gRPC answers a request whose bytes its deserializer rejects (truncated or corrupt protobuf, invalid UTF-8
 in a string field) with UNKNOWN, before any handler runs. :class:`DecodeGuard` wraps each ``hicache.v1``
-method's deserializer so that such a message becomes an :class:`Undecodable` value instead; the RPC
-wrappers (:mod:`.rpc`) and the streaming handlers turn it into INVALID_ARGUMENT.
+method's deserializer so that such a message becomes an :class:`Undecodable` value instead. A unary-request
+method then ends with INVALID_ARGUMENT before its handler runs; handlers of request streams (MatchStream,
+WritePages) see the value in their stream and refuse that message. The node and the router both use it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -51,4 +52,28 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         if (handler is None or not details.method.startswith(SERVICE_PREFIX)
                 or getattr(handler, "request_deserializer", None) is None or not hasattr(handler, "_replace")):
             return handler
-        return handler._replace(request_deserializer=_guarded(handler.request_deserializer))
+        handler = handler._replace(request_deserializer=_guarded(handler.request_deserializer))
+        if handler.unary_unary is not None:
+            handler = handler._replace(unary_unary=_refuse_unary(handler.unary_unary))
+        elif handler.unary_stream is not None:
+            handler = handler._replace(unary_stream=_refuse_unary_stream(handler.unary_stream))
+        return handler
+
+
+def _refuse_unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def behavior(request: Any, context: Any) -> Any:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await fn(request, context)
+
+    return behavior
+
+
+def _refuse_unary_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    async def behavior(request: Any, context: Any) -> AsyncIterator[Any]:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        async for item in fn(request, context):
+            yield item
+
+    return behavior
