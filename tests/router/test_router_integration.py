@@ -184,7 +184,13 @@ def test_index_stays_exact_when_the_node_resnapshots_a_slow_subscriber() -> None
         rc = AsyncRouterClient(f"127.0.0.1:{router.port}")
         try:
             prompts = [tokens(500 + i, 6) for i in range(20)]  # 120 pages through a 64-page L1
-            await asyncio.gather(*(serve_on(client, p, f"burst-{i}") for i, p in enumerate(prompts)))
+            gate = asyncio.Semaphore(8)  # at most 48 pages held at once: the burst never runs L1 out of room
+
+            async def one(i: int, p: np.ndarray) -> int:
+                async with gate:
+                    return await serve_on(client, p, f"burst-{i}")
+
+            await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
             # The router may have kept up with that burst. These evictions run on the node's event loop
             # (a synchronous call from this coroutine), so all their events are queued before the
             # subscriber's stream can take one: the 1-event queue overflows for certain.
