@@ -30,19 +30,18 @@ STORAGE_COUNTERS = (
 )
 
 
-class _Refresh:
-    """A collector with no metrics of its own, registered first: each scrape calls ``on_collect`` before
-    the registry reads the others."""
+class ScrapeHook:
+    """A collector with no metrics of its own, registered first: each scrape calls ``fn`` before the
+    registry reads the others (gauges and counters brought up to date)."""
 
-    def __init__(self, owner: Metrics) -> None:
-        self.owner = owner
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        if self.owner.on_collect is not None:
-            self.owner.on_collect()
+        self.fn()
         return iter(())
 
 
@@ -51,7 +50,7 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.on_collect: Callable[[], None] | None = None  # set by the owner: refresh gauges at scrape time
-        r.register(_Refresh(self))  # type: ignore[arg-type]
+        r.register(ScrapeHook(self._collect))  # type: ignore[arg-type]
         self.lookups = Counter("hicache_lookups", "Match calls (peers' WritePages not included)", registry=r)
         self.lookup_tokens = Counter("hicache_lookup_tokens", "Tokens looked up (full pages)", registry=r)
         self.hit_tokens = Counter("hicache_hit_tokens", "Tokens hit, by tier", ["tier"], registry=r)
@@ -96,3 +95,7 @@ class Metrics:
         self.prefetch_seconds = Histogram("hicache_prefetch_seconds", "From an L3 prefetch's start until its "
                                           "request takes the pages (or gives up, per prefetch_policy)",
                                           registry=r, buckets=STORAGE_BUCKETS)
+
+    def _collect(self) -> None:
+        if self.on_collect is not None:
+            self.on_collect()

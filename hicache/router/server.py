@@ -14,16 +14,15 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Callable, Iterator
 from typing import Any, TypeAlias
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import Metric
 
 from hicache.config import HiCacheConfig
+from hicache.metrics import ScrapeHook
 from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
 from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
 from hicache.router.breaker import status_from_number
@@ -41,27 +40,12 @@ SERVICE_NAME = rpb.DESCRIPTOR.services_by_name["Router"].full_name
 Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
-class _Sync:
-    """A collector with no metrics of its own, registered first: each scrape calls ``fn`` before the
-    registry reads the others (counters brought up to the router's running totals)."""
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn = fn
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        self.fn()
-        return iter(())
-
-
 class RouterMetrics:
     def __init__(self, router: Router, registry: CollectorRegistry) -> None:
         r = registry
         self._router = router
         self._seen: dict[str, int] = {}  # running totals already added to the counters, by key
-        r.register(_Sync(self._sync))  # type: ignore[arg-type]
+        r.register(ScrapeHook(self._sync))  # type: ignore[arg-type]  # counters up to the running totals
         self.routes = Counter("hicache_router_routes", "Requests routed, by node and reason", ["node", "reason"],
                               registry=r)
         self.route_seconds = Histogram("hicache_router_route_seconds", "Route decision time", registry=r,

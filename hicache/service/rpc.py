@@ -21,7 +21,6 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 
 from hicache.cache import CacheFullError
-from hicache.service.decode import Undecodable
 from hicache.service.validation import ServiceError
 
 T = TypeVar("T")
@@ -57,8 +56,6 @@ def unary(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         t0 = time.perf_counter()
         code = "OK"
         try:
-            if isinstance(request, Undecodable):
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             return await fn(self, request, context)
         except (ServiceError, CacheFullError) as e:
             c, msg = status_of(e)
@@ -93,8 +90,6 @@ def streaming(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterato
         t0 = time.perf_counter()
         code = "OK"
         try:
-            if isinstance(request, Undecodable):
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             async for item in fn(self, request, context):
                 yield item
         except (ServiceError, CacheFullError) as e:

@@ -31,6 +31,7 @@ import grpc
 import numpy as np
 
 from hicache.cache import CacheFullError, HiCache, LoadResult, PinInfo, Request
+from hicache.cache_types import MultiHandle
 from hicache.config import ServeConfig
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
@@ -85,11 +86,6 @@ def _within_deadline(wait: float | None, context: Ctx) -> float | None:
         return wait
     left = max(0.0, left - DEADLINE_MARGIN_S)
     return left if wait is None else min(wait, left)
-
-
-def _wait_all(handles: list[Any]) -> None:
-    for h in handles:
-        h.wait()
 
 
 def _open_request(entry: Entry, request_id: str) -> Request:
@@ -258,7 +254,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             raise
         loading = [h for h in req.pending if not h.done()]
         if loading:  # L1 pages another request is still loading from L2: reply once they hold their data
-            await blocking(_wait_all, loading)
+            await blocking(MultiHandle(loading).wait)
         return self._match_response(req, rid, request.return_keys)
 
     def _peek(self, tokens: np.ndarray, ns: Any, l3: bool, keys: bool) -> Request:
