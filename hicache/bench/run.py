@@ -164,6 +164,18 @@ def storage_url(l3: str) -> Iterator[tuple[str, str]]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def check_store(target: Target) -> None:
+    """Refuse to replay against an L3 that does not answer (its hit rate would read 0%, silently):
+    :class:`BenchInputError` naming ``--l3`` and the reason; closes ``target`` first."""
+    if not isinstance(target, InProcessTarget) or target.cache.storage is None:
+        return
+    store = target.cache.storage
+    why = store.probe()
+    if why is not None:
+        target.close()
+        raise BenchInputError(f"--l3 {store.url_safe}: the store does not answer ({why})")
+
+
 class TierStats(dict[str, float]):
     """tokens / token_rate / request_rate for one tier (a dict for JSON)."""
 
@@ -284,6 +296,7 @@ def run_bench(opts: BenchOptions, wl: Workload | None = None,
         else:
             cfg = replay_config(ps, l1, l2, url, opts.write_policy, opts.eviction_policy, opts.prefetch_policy)
             target = open_target(opts.target, cfg)
+            check_store(target)
         try:
             if opts.clear:
                 target.clear()

@@ -132,6 +132,12 @@ class NodeServer:
             if self.health is not None:
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._expire_loop())
+        store = self.cache.storage
+        if store is not None:  # serve anyway: L3 is paused until the store answers again
+            why = await asyncio.get_running_loop().run_in_executor(None, store.probe)
+            if why is not None:
+                log.warning("L3 %s does not answer (%s); serving from L1/L2, L3 resumes when it does",
+                            store.url_safe, why)
         log.info("hicache serve: %s on %s:%d (pool %s, %d L1 pages, layout %s)", self.server_id, s.host, self.port,
                  self.shared.kind if self.shared else "private", cfg.l1_pages, cfg.layout.to_layout().describe())
 

@@ -10,6 +10,8 @@ A backend stores whole pages by page key. Its contract:
   damaged or foreign page is a miss, never a wrong page.
 * ``batch_set(keys, host_pool, host_indices)`` -> how many pages from the first were stored.
 * ``delete(keys)`` -> how many existed; ``stats()`` -> :class:`StorageStats`; ``close()``.
+* ``probe()`` -> ``None`` when the store answers a round trip now, else one line saying why not (for a
+  tool that must not go on without its store; the cache itself carries on with L3 paused).
 * Operations never raise for a store that is down or slow: they count the error and report a miss /
   nothing written. They raise ``ValueError`` only for caller bugs (mismatched lengths).
 * Backends are thread-safe: the cache calls them from its prefetch and writeback workers.
@@ -100,6 +102,17 @@ class StorageBackend(abc.ABC):
             s = self._stats
             return StorageStats(s.gets, s.get_misses, s.sets, s.bytes_read, s.bytes_written,
                                 s.corrupt_pages, s.errors, dict(s.extra))
+
+    @property
+    def url_safe(self) -> str:
+        """The URL without credentials or query (for logs and errors)."""
+        u = urlparse(self.url)
+        return u._replace(netloc=u.netloc.rsplit("@", 1)[-1], query="").geturl()
+
+    def probe(self) -> str | None:
+        """One round trip to the store: ``None`` when it answers (and, where that can be checked
+        cheaply, takes writes), else one line saying why not. Never raises; counts nothing."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections / handles."""

@@ -134,9 +134,21 @@ class FileBackend(StorageBackend):
         try:
             self.fs.create_dir(self.root, recursive=True)
             self._scan(tmp_max_age_s)
-        except OSError as e:  # store unreachable now: start empty, count it
+        except OSError as e:  # store unreachable now: start empty, count it (probe() says why; operations warn)
             self._count(errors=1)
-            log.warning("file store %s: cannot open (%s)", self.root, e)
+            log.debug("file store %s: cannot open (%s)", self.root, e)
+
+    def probe(self) -> str | None:
+        """Create the root if needed, then write and delete a small file there."""
+        name = f"{self.root}/.probe-{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+        try:
+            self.fs.create_dir(self.root, recursive=True)
+            with self.fs.open_output_stream(name) as f:
+                f.write(b"hicache probe")
+            self.fs.delete_file(name)
+        except Exception as e:
+            return f"{self.root}: {e}"
+        return None
 
     @property
     def _local(self) -> bool:

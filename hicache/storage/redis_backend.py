@@ -243,10 +243,16 @@ class RedisBackend(StorageBackend):
         self._breaker.success()
         return res
 
-    @property
-    def url_safe(self) -> str:
-        u = urlparse(self.url)
-        return u._replace(netloc=u.netloc.rsplit("@", 1)[-1], query="").geturl()
+    def probe(self) -> str | None:
+        """PING every node the store has (one instance, the Sentinel's master, or each Cluster master)."""
+        try:
+            if self._client is not None:
+                self._client.ping()
+            else:
+                self._get_cluster().ping(target_nodes=RedisCluster.PRIMARIES)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return None
 
     def _count_extra(self, name: str, n: int = 1) -> None:
         with self._stats_lock:

@@ -120,3 +120,22 @@ def test_out_of_range_trace_values_exit_2(line: str, tmp_path: Path, capsys: pyt
     trace.write_text(line + "\n")
     assert main(["bench", "--trace", str(trace), "--quiet"]) == 2
     _one_line_error(capsys, f"{trace}:1")
+
+
+@pytest.mark.parametrize("l3", ["redis://127.0.0.1:{port}/0", "file:///proc/hicache-not-here"])
+def test_l3_that_does_not_answer_exits_2_before_replay(l3: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from hicache.storage.redis_local import free_port
+
+    url = l3.format(port=free_port())
+    assert main(["bench", *SMALL, "--l3", url]) == 2
+    _one_line_error(capsys, f"--l3 {url}", "does not answer")
+
+
+def test_l3_error_does_not_print_the_password(capsys: pytest.CaptureFixture[str]) -> None:
+    from hicache.storage.redis_local import free_port
+
+    port = free_port()
+    assert main(["bench", *SMALL, "--l3", f"redis://:hunter2@127.0.0.1:{port}/0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--l3 redis://127.0.0.1:{port}/0" in err, err
+    assert "does not answer" in err and "hunter2" not in err

@@ -22,7 +22,7 @@ from hicache.keys import page_keys
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.storage.base import StorageContext, create_backend
 
-from .service_harness import ServerProc, free_port
+from .service_harness import ServerProc, free_port, serve_prompt
 
 PS = 16
 
@@ -92,6 +92,18 @@ def test_flush_without_a_store(server: ServerProc) -> None:
     with HiCacheClient(server.target) as c:
         r = c.flush()
     assert not r.has_storage and r.complete and r.written_pages == 0
+
+
+def test_a_store_that_does_not_answer_is_named_at_start_and_serving_goes_on(
+        server_factory: Callable[..., ServerProc], tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"x")
+    s = server_factory(storage={"url": f"file://{blocker}/store"})  # cannot be created under a file
+    assert f"L3 file://{blocker}/store does not answer" in s.log()
+    with HiCacheClient(s.target) as c:
+        tokens = list(range(7000, 7000 + 4 * 16))  # four 16-token pages
+        serve_prompt(c, tokens, "after-down-store")
+        assert c.match(tokens, peek=True).l1_pages == 4  # L1/L2 serve as usual
 
 
 def test_concurrency_limit_metrics_health_reflection(server_factory: Callable[..., ServerProc]) -> None:

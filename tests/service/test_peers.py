@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -90,3 +91,36 @@ def test_prefetch_brings_l3_pages_back_with_the_same_bytes(server_factory: Calla
         c.release("again")
         st = c.stats()
         assert st.hit_tokens_l3 >= 4 * PS and st.storage_pages_read >= 4
+
+
+def test_prefetch_progress_ends_with_a_slow_fetch_whatever_the_interval(
+        server_factory: Callable[..., ServerProc]) -> None:
+    """The stream checks for the fetch's end every few milliseconds, not once per progress interval."""
+    import pytest
+    import redis
+
+    from hicache.storage.redis_local import LocalRedis, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed")
+    with LocalRedis() as r:
+        srv = server_factory(cache={"l1_tokens": 8 * PS, "l2_tokens": 12 * PS, "write_policy": "write_through"},
+                             storage={"url": r.url, "prefetch_threshold_tokens": 0, "prefetch_policy": "wait_complete",
+                                      "options": {"timeout_s": 20}})
+        first = prompt(50, 4)
+        with HiCacheClient(srv.target) as c, c.attach() as shared:
+            want = canonical(shared, write_prompt(c, shared, first, "s0", seed=50))
+            for i in range(1, 6):  # push the prompt out of L1 and L2
+                write_prompt(c, shared, prompt(50 + i, 4), f"s{i}", seed=50 + i)
+            assert c.flush(timeout_s=30).complete
+            m = c.match(first, "slow")
+            assert (m.l1_pages, m.l2_pages, m.l3_pages) == (0, 0, 4)
+            with redis.Redis.from_url(r.url) as admin:
+                admin.execute_command("CLIENT", "PAUSE", "1500", "ALL")  # the store answers in 1.5 s
+            t0 = time.monotonic()
+            progress = list(c.prefetch("slow", stream_progress=True, progress_interval_ms=600_000, timeout_s=25))
+            took = time.monotonic() - t0
+            assert 1.0 <= took < 20.0, took  # a 10-minute interval does not hold the call past the fetch
+            assert [p.done for p in progress] == [False, True]
+            assert progress[-1].loaded_l3_pages == 4 and canonical(shared, progress[-1].device_indices) == want
+            c.release("slow")

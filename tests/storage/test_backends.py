@@ -146,3 +146,31 @@ def test_file_store_paths_are_sharded_and_plain_paths_work(tmp_path: Path, open_
     h = keys[0].hex()
     assert os.path.exists(tmp_path / "plain" / h[:2] / h[2:4] / f"{h}.page")
     assert os.path.getsize(tmp_path / "plain" / h[:2] / h[2:4] / f"{h}.page") == HEADER_BYTES + PAGE
+
+
+@pytest.mark.parametrize("backend_url", BACKENDS, indirect=True)
+def test_probe_answers_on_a_live_store_and_leaves_nothing(backend_url, open_backend, tmp_path: Path) -> None:
+    url, opts = backend_url
+    b = open_backend(url, **opts)
+    before = b.stats()
+    assert b.probe() is None
+    after = b.stats()
+    assert (after.sets, after.errors, after.bytes_written) == (before.sets, before.errors, before.bytes_written)
+    if isinstance(b, FileBackend):
+        assert [p for p in (tmp_path / "store").rglob("*") if p.is_file()] == []
+
+
+@pytest.mark.parametrize("kind", ["redis", "cluster", "file"])
+def test_probe_says_why_a_store_does_not_answer(kind: str, open_backend, tmp_path: Path) -> None:
+    from hicache.storage.redis_local import free_port
+
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"x")
+    url = {"redis": f"redis://:secret@127.0.0.1:{free_port()}/0",
+           "cluster": f"redis+cluster://127.0.0.1:{free_port()}",
+           "file": f"file://{blocker}/store"}[kind]  # a path under a regular file cannot be created
+    b = open_backend(url, **({"connect_timeout_s": 0.2} if kind != "file" else {}))
+    why = b.probe()
+    assert why and "\n" not in why
+    assert "secret" not in why and "secret" not in b.url_safe
+    assert b.batch_exists(page_keys(2, "probe")) == 0  # and the store still answers misses, never raises
