@@ -12,7 +12,7 @@
    at infinite capacity. Hit rates before and after are compared (infinite capacity and the given L1
    capacity).
 
-Advice follows the article's rule: under 60% fix the prompt structure; above 60% with little gain from
+Advice follows the 60% rule of prefix caching: under 60% fix the prompt structure; above 60% with little gain from
 the fix, add tiers.
 """
 
@@ -284,7 +284,7 @@ class Doctor:
 
 
 def advise(before: float, after: float, groups: Sequence[SpanGroup], infinite_after: float | None = None) -> str:
-    """The article's rule. ``before``/``after``: hit rates without / with the simulated fix (at the L1
+    """The 60% rule. ``before``/``after``: hit rates without / with the simulated fix (at the L1
     capacity when known); ``infinite_after``: the fixed prompts' infinite-capacity bound."""
     gain = after - before
     top = ", ".join(f"{g.kind} at token ~{g.median_position} ({g.context.strip()!r})" for g in groups[:3])

@@ -2,7 +2,7 @@
 
 Replays a workload or a trace (text traces give the most readable report), finds where misses diverge
 from the nearest earlier prompt, groups the diverging spans (timestamps, ids, names...), simulates moving
-them to the end of the prompt and reports the hit rate before and after, with the article's advice:
+them to the end of the prompt and reports the hit rate before and after, with advice by the 60% rule:
 under 60% fix the prompt structure; above 60% with little gain, add tiers.
 
 Examples::

@@ -13,12 +13,13 @@ from rich.table import Table
 from hicache.bench.run import BenchResult
 from hicache.bench.units import human_bytes, human_tokens
 
-ADVICE_THRESHOLD = 0.60  # the article's rule: under it even at unlimited capacity, fix the prompt;
+ADVICE_THRESHOLD = 0.60  # the 60% rule: under it even at unlimited capacity, fix the prompt;
 # under it only at this capacity, or over it with room left, add tiers
 
 
 def advice(hit_rate: float, infinite: float) -> str:
-    """One line of advice following the article's rule."""
+    """One line of advice by the 60% rule: a prompt structure that shares little prefix is fixed in the
+    prompts, not with more capacity; a good structure short of its bound wants more capacity (tiers)."""
     if infinite < ADVICE_THRESHOLD:
         return (f"Even unlimited capacity would hit only {infinite:.0%}: the prompts share little prefix. "
                 "Fix the prompt structure (run `hicache doctor`): keep shared content first, volatile parts "

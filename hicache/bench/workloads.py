@@ -1,4 +1,5 @@
-"""The article's three workloads and a mix, as request streams deterministic by seed.
+"""Three workloads that live on prefix reuse (RAG, few-shot, multi-turn chat) and a mix, as request
+streams deterministic by seed.
 
 * ``rag`` -- multi-query RAG: a system prompt, one of many retrieved document sets (popularity is
   Zipf-like; users ask a few questions in a row about one set), a question.
@@ -8,7 +9,7 @@
   the previous answer and a new user message.
 * ``mixed`` -- the three merged by arrival time.
 
-``volatile`` plants what the article warns about at the very start of every prompt: ``timestamp``
+``volatile`` plants what most often breaks prefix reuse at the very start of every prompt: ``timestamp``
 (the previous request's arrival time, to the second), ``session`` (a per-conversation id) or
 ``request_id`` (a fresh id per request). Arrivals of each workload are Poisson at ``rate`` requests per
 second; ``mixed`` merges three such streams (about 3 x ``rate``).

@@ -1,4 +1,4 @@
-"""The doctor finds what the article warns about -- a timestamp early in the prompt -- and its fix helps."""
+"""The doctor finds a timestamp planted early in the prompt, what most often breaks prefix reuse, and its fix helps."""
 
 from __future__ import annotations
 

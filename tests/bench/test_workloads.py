@@ -1,4 +1,4 @@
-"""Workloads are deterministic by seed and have the reuse structure the article describes."""
+"""Workloads are deterministic by seed and have the reuse structure each one stands for."""
 
 from __future__ import annotations
 
