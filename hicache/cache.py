@@ -107,6 +107,7 @@ class HiCache:
 
     # ------------------------------------------------------------------ helpers
     def namespace(self, tenant: str | None = None) -> Namespace:
+        """The cache's namespace (``tenant`` None), or the same model, revision, layout and TP under ``tenant``."""
         return self.ns if tenant is None else self.ns.with_tenant(tenant)
 
     def _check_ns(self, ns: Namespace) -> None:
@@ -161,6 +162,7 @@ class HiCache:
         n = len(keys)
 
         def done(written: int) -> None:
+            """Writeback completion (its thread): unpin the path, count the ``written`` pages."""
             with self._lock:
                 self.tree.unpin_host(node)
                 self._l3_writing -= n
@@ -694,6 +696,7 @@ class HiCache:
             self.tree.listeners.append(fn)
 
     def remove_listener(self, fn: Callable[[TreeEvent], None]) -> None:
+        """Stop calling ``fn`` (from :meth:`add_listener`); ``ValueError`` when it is not registered."""
         with self._lock:
             self.tree.listeners.remove(fn)
 
@@ -706,6 +709,8 @@ class HiCache:
             return [self.tree.event("stored", n) for n in self.tree.nodes()]
 
     def stats(self) -> dict[str, Any]:
+        """Pool, tree and pin figures taken under the tree lock: page counts per tier (total, used, cached;
+        locked on L1), ``writeback_queue_pages``, pins, and ``storage`` (the store's counters, or None)."""
         with self._lock:
             return {
                 "l1_pages_total": self.device_pool.num_pages,
@@ -723,9 +728,13 @@ class HiCache:
             }
 
     def close(self) -> FlushReport | None:
+        """Flush (the L3 queue for up to ``serve.shutdown_grace_s``), stop the background workers, close the
+        store and release the L2 buffer; the cache is unusable afterwards. Returns the final report (pages
+        still queued when the grace ran out count as pending; None without L3 writeback). The grace is the
+        whole wait: what is left then is abandoned, not flushed again."""
         report = self.flush(timeout_s=self.config.serve.shutdown_grace_s)
         if self.writeback is not None:
-            self.writeback.close()
+            report = self.writeback.close(timeout_s=0.0)
         if self.prefetcher is not None:
             self.prefetcher.close()
         self.transfer.close()

@@ -64,13 +64,16 @@ class PageAllocator:
 
     @property
     def free_pages(self) -> int:
+        """Pages not handed out."""
         return self._n_free
 
     @property
     def used_pages(self) -> int:
+        """Pages handed out and not freed yet."""
         return self.capacity - self._n_free
 
     def alloc(self, n: int) -> np.ndarray | None:
+        """``n`` free page indices (int64), or None when fewer are free; ``ValueError`` for ``n < 0``."""
         if n < 0:
             raise ValueError(f"alloc: n must be >= 0, got {n}")
         with self._lock:
@@ -82,6 +85,8 @@ class PageAllocator:
             return out
 
     def free(self, idx: np.ndarray) -> None:
+        """Return pages to the free list; ``ValueError`` (nothing freed) for an index out of range, not
+        allocated, or repeated."""
         idx = np.asarray(idx, dtype=np.int64)
         if idx.size == 0:
             return
@@ -95,16 +100,25 @@ class PageAllocator:
             self._n_free += len(idx)
 
     def is_allocated(self, idx: np.ndarray) -> np.ndarray:
-        return self._out[np.asarray(idx, dtype=np.int64)]
+        """Bool per index: handed out now. ``IndexError`` for an index outside ``[0, capacity)``."""
+        i = np.asarray(idx, dtype=np.int64)
+        if i.size and (i.min() < 0 or i.max() >= self.capacity):
+            raise IndexError(f"page index out of range [0, {self.capacity})")
+        with self._lock:
+            return self._out[i]
 
     def allocated(self) -> np.ndarray:
-        return np.flatnonzero(self._out)
+        """Indices of every page handed out, ascending."""
+        with self._lock:
+            return np.flatnonzero(self._out)
 
     def check_integrity(self) -> None:
-        free = self._free[: self._n_free]
-        assert len(np.unique(free)) == self._n_free, "free list holds duplicates"
-        assert not self._out[free].any(), "a free page is marked allocated"
-        assert int(self._out.sum()) + self._n_free == self.capacity, "free + allocated != capacity"
+        """``AssertionError`` unless free + allocated == capacity with no page in both or listed twice."""
+        with self._lock:
+            free = self._free[: self._n_free]
+            assert len(np.unique(free)) == self._n_free, "free list holds duplicates"
+            assert not self._out[free].any(), "a free page is marked allocated"
+            assert int(self._out.sum()) + self._n_free == self.capacity, "free + allocated != capacity"
 
 
 class DevicePool:
@@ -148,9 +162,12 @@ class DevicePool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the pool's pages, every layer (``num_pages * layout.bytes_per_page``)."""
         return self.num_pages * self.layout.bytes_per_page
 
     def page_tensor(self, layer: int, c: int) -> torch.Tensor:
+        """``[P, S, H, D]`` tensor of layer ``layer``'s K (c=0) / V (c=1), or MLA latent (c=0), over every
+        page (no copy)."""
         return self.kv[layer][c]
 
 
@@ -198,6 +215,7 @@ class HostPool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of ``num_pages`` pages; a block-first buffer's last block may add unused pages."""
         return self.num_pages * self.layout.bytes_per_page
 
     @property

@@ -30,6 +30,10 @@ EMPTY = np.empty(0, dtype=np.int64)
 
 
 class TreeNode:
+    """A run of whole pages under its parent: tokens, page keys, L1 and/or L2 page indices, the locks and
+    pins that keep it from eviction, and the usage eviction policies order by (``last_access``,
+    ``hit_count``, ``priority``). Roots hold no pages and are always locked."""
+
     __slots__ = (
         "children",
         "device",
@@ -63,6 +67,7 @@ class TreeNode:
 
     @property
     def n_pages(self) -> int:
+        """Pages in this node's run (0 for a root)."""
         return len(self.page_keys)
 
     def __repr__(self) -> str:
@@ -73,6 +78,8 @@ class TreeNode:
 
 
 class TreeMatch(NamedTuple):
+    """What :meth:`RadixTree.match` found: the L1 run from the root, then the L2 run continuing it."""
+
     node: TreeNode | None  # deepest matched node (L1 or L2); None when nothing matched
     l1_node: TreeNode | None  # deepest node of the L1 run; None when L1 matched nothing
     device_indices: np.ndarray  # L1 page indices of the matched L1 prefix, in order
@@ -82,10 +89,12 @@ class TreeMatch(NamedTuple):
 
     @property
     def l1_pages(self) -> int:
+        """Pages of the matched L1 prefix."""
         return len(self.device_indices)
 
     @property
     def l2_pages(self) -> int:
+        """Pages continuing the L1 prefix on L2."""
         return len(self.host_indices)
 
 
@@ -106,6 +115,8 @@ class TreeEvent(NamedTuple):
 
 
 class InsertResult(NamedTuple):
+    """What :meth:`RadixTree.insert` did, per page of the inserted tokens."""
+
     node: TreeNode  # node ending at the last inserted page
     reused: np.ndarray  # bool per page: True where the tree already held the page on that tier
     new_pages: int  # pages now held on that tier that were not before
@@ -355,6 +366,7 @@ class RadixTree:
             node = node.parent
 
     def unlock(self, node: TreeNode | None) -> None:
+        """Undo one :meth:`lock` of ``node`` (the whole path); ``ValueError`` when it is not locked."""
         while node is not None and node.parent is not None:
             if node.lock_ref <= 0:
                 raise ValueError("unlock: node is not locked (double release?)")
@@ -371,6 +383,7 @@ class RadixTree:
             node = node.parent
 
     def unpin_host(self, node: TreeNode | None) -> None:
+        """Undo one :meth:`pin_host` of ``node`` (the whole path); ``ValueError`` when it is not pinned."""
         while node is not None and node.parent is not None:
             if node.host_pin <= 0:
                 raise ValueError("unpin_host: node is not pinned")
@@ -379,6 +392,7 @@ class RadixTree:
 
     # ------------------------------------------------------------------ eviction
     def nodes(self) -> Iterator[TreeNode]:
+        """Every non-root node of every namespace, each after its parent."""
         stack = list(self.roots.values())
         while stack:
             node = stack.pop()
@@ -516,9 +530,11 @@ class RadixTree:
         assert locked == self.locked_device_pages, (locked, self.locked_device_pages)
 
     def all_device_pages(self) -> np.ndarray:
+        """The L1 page indices the tree holds, concatenated (int64, in no particular order)."""
         arrs = [n.device for n in self.nodes() if n.device is not None]
         return np.concatenate(arrs) if arrs else EMPTY
 
     def all_host_pages(self) -> np.ndarray:
+        """The L2 page indices the tree holds, concatenated (int64, in no particular order)."""
         arrs = [n.host for n in self.nodes() if n.host is not None]
         return np.concatenate(arrs) if arrs else EMPTY

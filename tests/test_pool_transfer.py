@@ -219,3 +219,14 @@ def test_allocator_hands_freed_runs_back_as_runs() -> None:
     assert both is not None and sorted(both.tolist()) == list(range(32))
     assert np.count_nonzero(np.diff(both) != 1) <= 1
     a.check_integrity()
+
+
+def test_allocator_index_checks_refuse_out_of_range() -> None:
+    a = PageAllocator(8)
+    got = a.alloc(3)
+    assert got is not None and a.is_allocated(got).all()
+    assert a.is_allocated(np.arange(8)).sum() == 3
+    for bad in ([-1], [8], [0, 9]):
+        with pytest.raises(IndexError, match="out of range"):
+            a.is_allocated(np.array(bad))
+    a.check_integrity()

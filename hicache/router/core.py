@@ -39,33 +39,39 @@ class NoNodeError(Exception):
 
 @dataclass
 class NodeState:
+    """What the router keeps per node besides the index: breaker, reported queue depth, feed status."""
+
     spec: NodeSpec
     breaker: CircuitBreaker
     queue: QueueDepth
     connected: bool = False  # event stream open and in sync
     namespace_ok: bool | None = None  # None until the node's namespace was checked
-    routed: int = 0
-    last_error: str = ""
+    routed: int = 0  # requests routed there (peeks not counted)
+    last_error: str = ""  # the latest error reported for the node ("" before any)
 
 
 class NodeView(NamedTuple):
+    """One node as :meth:`Router.views` reports it (what ListNodes answers)."""
+
     name: str
     address: str
-    connected: bool
-    server_id: str
-    event_sequence: int
+    connected: bool  # event stream in sync
+    server_id: str  # the node's run id from its last snapshot ("" before any)
+    event_sequence: int  # last event applied
     resyncs: int  # snapshots applied after the first
-    l1_pages: int
-    l2_pages: int
-    in_flight: int
-    queue_depth: int
-    breaker: str
+    l1_pages: int  # pages indexed on the node's L1
+    l2_pages: int  # pages indexed on its L2
+    in_flight: int  # requests routed there and not completed
+    queue_depth: int  # the depth the node last reported (0 once stale)
+    breaker: str  # closed | open | half_open
     routed: int
-    namespace_ok: bool
+    namespace_ok: bool  # False only once the node's namespace was found to differ
     last_error: str
 
 
 class ScoredNode(NamedTuple):
+    """One node's standing in a :class:`RouteDecision`: its prefix of the request, load and score."""
+
     score: Score | None  # None when not eligible
     l1_pages: int
     l2_pages: int
@@ -75,18 +81,25 @@ class ScoredNode(NamedTuple):
 
 
 class RouteDecision(NamedTuple):
-    route_id: str  # "" when peek
+    """Where :meth:`Router.route` sends a request, and why."""
+
+    route_id: str  # "" when peek; pass it to Router.complete
     node: str
     address: str
     l1_pages: int  # prefix on the chosen node's L1
     l2_pages: int  # continued on its L2
     num_pages: int  # full pages of the request
-    policy: str
-    reason: str
+    policy: str  # the policy that chose
+    reason: str  # the policy's why: prefix | balance | hot_spot | round_robin | least_load (built-ins)
     scores: dict[str, ScoredNode]  # every node, configuration order
 
 
 class Router:
+    """The router's state: the nodes, their page index, load and breakers; decides where requests go.
+
+    Not thread-safe: call it from one event loop.
+    """
+
     def __init__(self, config: HiCacheConfig, rconfig: RouterConfig) -> None:
         self.config = config
         self.rconfig = rconfig
@@ -101,6 +114,7 @@ class Router:
         self._tenants: dict[str, Namespace] = {}
 
     def add_node(self, spec: NodeSpec) -> NodeState:
+        """Start tracking a node (disconnected, breaker closed); ``ValueError`` when the name is taken."""
         if spec.name in self.nodes:
             raise ValueError(f"node {spec.name!r}: already known")
         rc = self.rconfig
@@ -110,6 +124,7 @@ class Router:
         return st
 
     def namespace(self, tenant: str) -> Namespace:
+        """The router's namespace (``tenant`` "") or that tenant's, as the nodes key its pages."""
         if not tenant:
             return self.ns
         ns = self._tenants.get(tenant)
@@ -151,11 +166,13 @@ class Router:
         return ok
 
     def describe_namespace(self) -> str:
+        """The router's namespace in words (model, revision, layout, TP, tenant), for logs and ListNodes."""
         ns = self.ns
         return (f"model={ns.model} revision={ns.revision} layout={ns.layout.describe()} "
                 f"tp={ns.tp_rank}/{ns.tp_size} tenant={ns.tenant!r}")
 
     def report_queue(self, node: str, depth: int) -> None:
+        """Record the queue depth ``node`` reported (trusted until it goes stale); ``KeyError``: unknown."""
         self.nodes[node].queue.report(depth)
 
     def record(self, node: str, code: grpc.StatusCode, error: str = "") -> None:
@@ -219,6 +236,7 @@ class Router:
 
     # ------------------------------------------------------------------ views
     def views(self) -> list[NodeView]:
+        """Every node's state, in the order the nodes were added (configuration order)."""
         out = []
         for name, st in self.nodes.items():
             feed = self.index.feed(name)
@@ -229,4 +247,6 @@ class Router:
         return out
 
     def routable(self) -> bool:
+        """Whether some node could take a request now (the health check): its breaker allows it and its
+        namespace is not known to differ, whether or not its event stream is in sync."""
         return any(st.namespace_ok is not False and st.breaker.allow() for st in self.nodes.values())

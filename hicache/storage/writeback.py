@@ -202,13 +202,15 @@ class Writeback:
             self._cv.wait_for(lambda: not self._q and not self._busy and self._undelivered == 0, timeout=timeout_s)
         return self.report()
 
-    def close(self, timeout_s: float | None = 30.0) -> FlushReport:
-        """Flush (up to ``timeout_s``), then abandon what is left and stop the worker."""
+    def close(self, timeout_s: float | None = 30.0, join_timeout_s: float = 10.0) -> FlushReport:
+        """Flush (up to ``timeout_s``; 0 when the caller has flushed already), then abandon what is left
+        and stop the worker, waiting up to ``join_timeout_s`` for the batch it is writing (bounded by the
+        store's own timeouts). The report is final: abandoned pages count as pending."""
         self.flush(timeout_s)
         with self._cv:
             self._closed = True
             self._abandon = True
             self._cv.notify_all()
-        self._thread.join(timeout=timeout_s)
-        self._notifier.join(timeout=timeout_s)
+        self._thread.join(timeout=join_timeout_s)
+        self._notifier.join(timeout=join_timeout_s)
         return self.report()

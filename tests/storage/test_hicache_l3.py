@@ -288,3 +288,25 @@ def test_prefetch_runs_once_and_follows_a_shorter_commit() -> None:
         assert cache.host_pool.allocator.used_pages == 0 and cache.device_pool.allocator.used_pages == 0
     finally:
         cache.close()
+
+
+@pytest.mark.redis
+@needs_redis
+def test_close_keeps_to_its_grace_and_reports_what_the_store_holds(redis_single, prefix) -> None:
+    """A store slower than the shutdown grace: close abandons the queue after the grace (no second
+    flush), and its report counts exactly the pages that reached the store."""
+    cache = cache_for(redis_single.url, {"prefix": prefix, "timeout_s": 10}, io_batch_pages=2)
+    cache.config.serve.shutdown_grace_s = 0.2
+    client = redis_single.client()
+    client.execute_command("CLIENT", "PAUSE", "1500", "WRITE")  # writes wait 1.5 s from now
+    t0 = time.monotonic()
+    try:
+        for i in range(3):  # 12 pages: six batches of two
+            commit_fresh(cache, list(range(100 * i + 1, 100 * i + 17)), seed=i)
+    finally:
+        rep = cache.close()
+    took = time.monotonic() - t0
+    assert rep is not None and not rep.complete
+    stored = len(client.keys(f"{prefix}*"))
+    assert rep.written_pages == stored < 12 and rep.written_pages + rep.pending_pages + rep.failed_pages == 12
+    assert took < 5.0, took  # the grace, then the one batch in flight (held by the pause)
