@@ -14,8 +14,9 @@ Threading model:
 * Every public method may be called from any thread; the tree, both allocators' bookkeeping and every
   request's state are protected by one re-entrant lock, ``self._lock`` (the *tree lock*). Calls hold it
   for bookkeeping, never across an L3 round trip; some also wait under it for L1 -> L2 copies already in
-  flight (``evict``, ``clear``, ``flush``, an allocation under pressure, a ``write_back`` eviction) and,
-  with ``writeback_when_full: block``, for room in the L3 writeback queue.
+  flight (``evict``, ``clear``, ``flush``, an allocation under pressure, a ``write_back`` eviction), for
+  an L2 -> L1 load still writing pages an L1 eviction frees (its request was released before the load
+  landed) and, with ``writeback_when_full: block``, for room in the L3 writeback queue.
 * Background work: the transfer engine's worker/streams copy pages; the prefetcher's threads read L3
   into host pages a :class:`PrefetchTask` owns; one writeback thread writes L2 pages (pinned in the tree
   until written) to L3. Their completions are folded in under the tree lock (``_reap``).
@@ -32,10 +33,10 @@ from typing import Any
 import numpy as np
 
 from hicache.cache_types import CacheFullError, CommitResult, LoadResult, MultiHandle, PinInfo, Request
-from hicache.config import HiCacheConfig
+from hicache.config import ConfigError, HiCacheConfig
 from hicache.keys import Namespace, page_keys_from_bytes, tokens_to_bytes
 from hicache.metrics import Metrics
-from hicache.pool import DevicePool, HostPool
+from hicache.pool import DevicePool, HostMemoryError, HostPool, format_bytes
 from hicache.radix import EMPTY, RadixTree, TreeEvent, TreeNode
 from hicache.storage.base import StorageBackend, StorageContext, create_backend
 from hicache.storage.prefetch import Prefetcher, PrefetchTask
@@ -45,6 +46,23 @@ from hicache.transfer import TransferHandle, create_engine
 __all__ = ["CacheFullError", "CommitResult", "HiCache", "LoadResult", "PinInfo", "Request"]
 
 SELECTIVE_THRESHOLD = 2  # write_through_selective backs a node up at its second use (the insert is the first)
+
+
+def l2_too_large(config: HiCacheConfig, e: HostMemoryError) -> ConfigError:
+    """The error for an L2 (``cache.l2_tokens``) that does not fit in host memory: one line with the bytes
+    asked for, what is available and a size that would fit. It is the config's to fix, so it is a
+    :class:`ConfigError` (``hicache serve`` exits 2 with this line)."""
+    page_bytes = config.layout.to_layout().bytes_per_page
+    page_size = config.layout.page_size
+    asked = (f"cache.l2_tokens: {config.cache.l2_tokens} tokens ({config.l2_pages} pages of "
+             f"{format_bytes(page_bytes)}) need {format_bytes(e.needed)} ({e.needed} bytes) of host memory for L2")
+    if e.available is not None:
+        fit = e.available // page_bytes * page_size
+        return ConfigError(f"{asked}, but only {format_bytes(e.available)} is available; set a smaller "
+                           f"cache.l2_tokens (what is available holds at most {fit}; 0 disables L2)",
+                           "cache.l2_tokens")
+    return ConfigError(f"{asked}, and the allocation failed ({e.detail or 'out of memory'}); set a smaller "
+                       f"cache.l2_tokens (0 disables L2)", "cache.l2_tokens")
 
 
 class HiCache:
@@ -65,8 +83,11 @@ class HiCache:
         # On a GPU the CUDA transfer engine page-locks the host pool in place (cudaHostRegister) and
         # unregisters it on close, so tens of GB are pinned once, without torch's caching allocator.
         pin = False if (c.device.startswith("cuda") and c.io_backend != "cpu") else None
-        self.host_pool = HostPool(self.layout, max(config.l2_pages, 1), c.host_layout,  # type: ignore[arg-type]
-                                  pin_memory=pin, block_pages=c.host_block_pages)
+        try:
+            self.host_pool = HostPool(self.layout, max(config.l2_pages, 1), c.host_layout,  # type: ignore[arg-type]
+                                      pin_memory=pin, block_pages=c.host_block_pages)
+        except HostMemoryError as e:
+            raise l2_too_large(config, e) from None
         self.has_l2 = config.l2_pages > 0
         io = c.io_backend
         if io in ("kernel", "copy_engine", "staged"):
@@ -638,7 +659,8 @@ class HiCache:
     def clear(self) -> tuple[int, int]:
         """Drop every L1 and L2 page that no request holds, no pin keeps and no copy in flight uses;
         returns the pages freed on (L1, L2). The store (L3) is not touched. No backup is started, whatever
-        the write policy; backups already in flight are finished first (and queued for L3). For a cold
+        the write policy; backups already in flight are finished first (and queued for L3), and so are
+        L2 -> L1 loads still writing pages it drops (a request released before its load landed). For a cold
         start between benchmark runs, or after a mistake such as serving different weights under the same
         model revision (fix the revision: L3 still has pages under those keys)."""
         with self._lock:

@@ -17,6 +17,7 @@ The tree is *not* thread-safe: the cache serialises every call under its one tre
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 from collections.abc import Callable, Iterator
@@ -414,7 +415,9 @@ class RadixTree:
         Candidates are unlocked L1 nodes with no L1 child. A candidate already on L2 is downgraded to
         host-only. One that is not is first offered to ``backup(node)`` (write-back); if that gives it
         L2 pages it is downgraded, else it is dropped when it is a leaf and skipped when it has
-        (L2-only) children. Returns the freed L1 page arrays; the caller returns them to the pool.
+        (L2-only) children. A node whose L2 -> L1 load (``load_handle``) has not landed yet is waited
+        for first, so a freed page is never still being written. Returns the freed L1 page arrays; the
+        caller returns them to the pool.
         """
         heap = [(self._policy(n), id(n), n) for n in self.nodes() if self._l1_evictable(n)]
         heapq.heapify(heap)
@@ -429,6 +432,14 @@ class RadixTree:
             if node.host is None and node.children:
                 continue
             assert node.device is not None
+            if node.load_handle is not None and not node.load_handle.done():
+                # An L2 -> L1 load may still be writing these pages: unlocked pages can still be
+                # loading when the request that loaded them was released before the load landed. Let
+                # it land before the pages go back to the pool, or the copy would overwrite what
+                # their next owner writes there. A load that failed writes nothing more either (its
+                # error is its requester's to see): the pages are dropped all the same.
+                with contextlib.suppress(Exception):
+                    node.load_handle.wait()
             freed.append(node.device)
             count += node.n_pages
             self.device_pages -= node.n_pages
