@@ -1,7 +1,8 @@
 """Clients of the node service (``hicache serve``).
 
 * :class:`HiCacheClient` (blocking) and :class:`AsyncHiCacheClient` (asyncio): typed results, a default
-  deadline on every call, retries with backoff on UNAVAILABLE, bearer token and TLS/mTLS options.
+  deadline on every call, retries with backoff on UNAVAILABLE where a repeat is safe (:class:`RetryPolicy`),
+  bearer token and TLS/mTLS options.
 * :func:`attach_pool` / ``client.attach()``: map the server's shared L1 pool (shared memory on CPU, CUDA
   IPC on GPU) so KV pages are read and written in place; gRPC only carries token ids and page indices.
 """

@@ -22,9 +22,23 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Retries of unary calls that failed with UNAVAILABLE (server restarting, connection refused):
-    ``attempts`` tries in all, sleeping ``base_s * 2**i`` (jittered, capped at ``max_s``) in between, never
-    past the call's deadline."""
+    """Retries of unary calls that failed with UNAVAILABLE: ``attempts`` tries in all, sleeping
+    ``base_s * 2**i`` (jittered, capped at ``max_s``) in between, never past the call's deadline.
+
+    gRPC says UNAVAILABLE in two cases that a retry must tell apart (:func:`retryable`):
+
+    * no connection could be made (server down or restarting, connection refused, name not resolved):
+      the call never left the client, so every call is tried again;
+    * the connection dropped during the call: the server may have taken it and only the reply was lost.
+      Then only calls whose repeat changes nothing are tried again: Stats, GetPoolInfo, Attach, ListPins,
+      Flush, a peek Match; a Match that names its ``request_id`` (the server answers an identical repeat of
+      the Match that opened the id, before any other call on it, with the same reply); and Release (a repeat
+      that finds the request gone returns normally: the first attempt released it). Allocate (it would
+      allocate twice), Commit, Pin (a second pin nobody would unpin), Unpin, Clear and a Match that leaves
+      the id to the server (it would open a second request) fail with the UNAVAILABLE error instead: the
+      caller cannot know whether they took effect.
+
+    Streaming calls (MatchStream, Prefetch, WatchEvents, ReadPages, WritePages) are never retried."""
 
     attempts: int = 4
     base_s: float = 0.05
@@ -97,7 +111,8 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class CallError(Exception):
-    """A request refused inside a stream (MatchStream): the status code and message the server gave."""
+    """A request refused inside a stream (MatchStream): the status code and message the server gave; or a
+    stream session that can take no more calls (it ended, was closed or cancelled, or failed)."""
 
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(f"{code.name}: {details}")
@@ -118,5 +133,29 @@ def check_reply(m: pb.MatchResponse) -> pb.MatchResponse:
     return m
 
 
-def retryable(err: grpc.RpcError) -> bool:
-    return isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.UNAVAILABLE
+# How gRPC words an UNAVAILABLE that came before any connection carried the call: no address could be
+# connected to, or the target's name did not resolve (older releases: "DNS resolution failed"). A lost
+# connection mid-call reads differently ("Socket closed", "Connection reset", ...). An unknown wording
+# counts as "may have been sent": the safe side.
+_NOT_SENT = ("failed to connect to all addresses", "errors resolving", "DNS resolution failed")
+
+
+def never_sent(err: grpc.RpcError) -> bool:
+    """Whether ``err`` says the call never reached a server (no connection could be made)."""
+    details = getattr(err, "details", None)
+    text = details() if callable(details) else ""
+    return any(s in (text or "") for s in _NOT_SENT)
+
+
+def retryable(err: grpc.RpcError, idempotent: bool) -> bool:
+    """Whether a unary call that failed with ``err`` may be sent again (see :class:`RetryPolicy`):
+    UNAVAILABLE, and either ``idempotent`` (a repeat changes nothing) or the call never reached a server."""
+    code = getattr(err, "code", None)  # grpc.Call (blocking client) and grpc.aio.AioRpcError both have it
+    if not callable(code) or code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    return idempotent or never_sent(err)
+
+
+def match_idempotent(req: pb.MatchRequest) -> bool:
+    """A Match may be repeated after a lost reply when it opens nothing (peek) or names its request."""
+    return req.peek or bool(req.request_id)

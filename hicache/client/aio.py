@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import TracebackType
@@ -29,7 +30,9 @@ from hicache.client._common import (
     check_reply,
     commit_request,
     encode_tokens,
+    match_idempotent,
     match_request,
+    never_sent,
     ns_ref,
     retryable,
     write_pages_messages,
@@ -53,6 +56,11 @@ R = TypeVar("R")
 
 
 class AsyncHiCacheClient:
+    """asyncio mirror of :class:`~hicache.client.HiCacheClient`: the same arguments, calls (all but
+    ``attach_info``), deadlines, retries and status codes (as ``grpc.aio.AioRpcError``), awaited;
+    ``prefetch`` and ``watch_events`` are async iterators. Use it from one event loop.
+    """
+
     def __init__(self, target: str, *, token: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
                  retry: RetryPolicy | None = None, root_certificates: str = "", client_cert: str = "",
                  client_key: str = "", tls: bool = False, max_message_bytes: int = 64 << 20) -> None:
@@ -67,7 +75,11 @@ class AsyncHiCacheClient:
         self.stub = pb_grpc.HiCacheStub(self.channel)
         self._md = self.settings.metadata()
 
-    async def _call(self, method: Callable[..., Awaitable[R]], request: Any, timeout_s: float | None) -> R:
+    async def _call(self, method: Callable[..., Awaitable[R]], request: Any, timeout_s: float | None, *,
+                    idempotent: bool = False) -> R:
+        """One unary call, tried again on UNAVAILABLE as :class:`RetryPolicy` says (``idempotent``: a
+        repeat changes nothing, so it may follow a failure after the server took the call; by default
+        a call is not)."""
         budget = self.timeout_s if timeout_s is None else timeout_s
         end = time.monotonic() + budget
         attempt = 0
@@ -76,7 +88,7 @@ class AsyncHiCacheClient:
                 return await method(request, timeout=max(0.001, end - time.monotonic()), metadata=self._md)
             except grpc.aio.AioRpcError as e:
                 attempt += 1
-                if not retryable(e) or attempt >= self.retry.attempts:
+                if not retryable(e, idempotent) or attempt >= self.retry.attempts:
                     raise
                 pause = self.retry.delay(attempt - 1)
                 if time.monotonic() + pause >= end:
@@ -84,9 +96,11 @@ class AsyncHiCacheClient:
                 await asyncio.sleep(pause)
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
+        """Wait until the channel connects (``TimeoutError`` after ``timeout_s``)."""
         await asyncio.wait_for(self.channel.channel_ready(), timeout_s)
 
     async def close(self) -> None:
+        """Close the channel; calls still active on it are cancelled."""
         await self.channel.close()
 
     async def __aenter__(self) -> AsyncHiCacheClient:
@@ -99,18 +113,22 @@ class AsyncHiCacheClient:
     async def match(self, tokens: Tokens, request_id: str = "", *, tenant: str = "", load: bool = False,
                     skip_l3: bool = False, peek: bool = False, return_keys: bool = False,
                     timeout_s: float | None = None) -> MatchResult:
+        """As :meth:`HiCacheClient.match`: the longest cached prefix; opens a request unless ``peek``."""
         req = match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
-        return MatchResult.from_pb(await self._call(self.stub.Match, req, timeout_s))
+        return MatchResult.from_pb(await self._call(self.stub.Match, req, timeout_s,
+                                                    idempotent=match_idempotent(req)))
 
     def match_stream(self, pipelined: bool = False) -> AsyncMatchStream:
         """A MatchStream session: ``await s.match(...)`` like :meth:`match` (refusals raise
         :class:`CallError`); ``await s.close()`` ends it. Calls on one session run one at a time, unless
         ``pipelined``: then any number may be in flight (replies are matched to calls by order), at a
-        little more cost per call."""
+        little more cost per call. A call cancelled while waiting loses only its own reply (see
+        :class:`AsyncMatchStream`)."""
         return AsyncMatchStream(self, pipelined)
 
     async def prefetch(self, request_id: str, *, stream_progress: bool = False, progress_interval_ms: int = 0,
                        timeout_s: float | None = None) -> AsyncIterator[PrefetchProgress]:
+        """As :meth:`HiCacheClient.prefetch`: progress messages (when asked), then the ``done`` one."""
         req = pb.PrefetchRequest(request_id=request_id, stream_progress=stream_progress,
                                  progress_interval_ms=progress_interval_ms)
         call = self.stub.Prefetch(req, timeout=self.timeout_s if timeout_s is None else timeout_s, metadata=self._md)
@@ -118,53 +136,75 @@ class AsyncHiCacheClient:
             yield PrefetchProgress.from_pb(m)
 
     async def allocate(self, request_id: str, num_pages: int, timeout_s: float | None = None) -> np.ndarray:
+        """As :meth:`HiCacheClient.allocate`: L1 pages (int64) owned by the open request."""
         r = await self._call(self.stub.Allocate, pb.AllocateRequest(request_id=request_id, num_pages=num_pages),
-                             timeout_s)
+                             timeout_s, idempotent=False)
         return np.asarray(r.device_indices, dtype=np.int64)
 
     async def commit(self, request_id: str, tokens: Tokens, device_indices: Sequence[int] | np.ndarray,
                      timeout_s: float | None = None) -> CommitResult:
-        r = await self._call(self.stub.Commit, commit_request(request_id, tokens, device_indices), timeout_s)
+        """As :meth:`HiCacheClient.commit`: insert the request's pages (the request stays open)."""
+        r = await self._call(self.stub.Commit, commit_request(request_id, tokens, device_indices), timeout_s,
+                             idempotent=False)
         return CommitResult.from_pb(r)
 
     async def release(self, request_id: str, timeout_s: float | None = None) -> None:
-        await self._call(self.stub.Release, pb.ReleaseRequest(request_id=request_id), timeout_s)
+        """As :meth:`HiCacheClient.release`: close the request."""
+        maybe_taken = False  # an earlier attempt may have reached the server
+
+        async def once(request: pb.ReleaseRequest, **kw: Any) -> pb.ReleaseResponse:
+            nonlocal maybe_taken
+            try:
+                return await self.stub.Release(request, **kw)
+            except grpc.aio.AioRpcError as e:
+                if maybe_taken and e.code() == grpc.StatusCode.NOT_FOUND:
+                    return pb.ReleaseResponse()  # a repeat: the attempt whose reply was lost released it
+                maybe_taken = maybe_taken or not never_sent(e)
+                raise
+
+        await self._call(once, pb.ReleaseRequest(request_id=request_id), timeout_s, idempotent=True)
 
     async def stats(self, timeout_s: float | None = None) -> Stats:
-        return Stats.from_pb(await self._call(self.stub.Stats, pb.StatsRequest(), timeout_s))
+        """As :meth:`HiCacheClient.stats`: the node's pools, hit counters, L3 counters and pins."""
+        return Stats.from_pb(await self._call(self.stub.Stats, pb.StatsRequest(), timeout_s, idempotent=True))
 
     async def flush(self, timeout_s: float | None = None) -> FlushResult:
         """Wait (up to the call's deadline) until the node's backups in flight and queued L3 writes are
         done; ``complete`` says everything reached the store."""
-        return FlushResult.from_pb(await self._call(self.stub.Flush, pb.FlushRequest(), timeout_s))
+        return FlushResult.from_pb(await self._call(self.stub.Flush, pb.FlushRequest(), timeout_s, idempotent=True))
 
     async def clear(self, timeout_s: float | None = None) -> ClearResult:
         """Drop every L1 and L2 page on the node that no request holds and no pin keeps (L3 untouched)."""
-        return ClearResult.from_pb(await self._call(self.stub.Clear, pb.ClearRequest(), timeout_s))
+        return ClearResult.from_pb(await self._call(self.stub.Clear, pb.ClearRequest(), timeout_s, idempotent=False))
 
     async def pin(self, tokens: Tokens, *, tenant: str = "", timeout_s: float | None = None) -> PinInfo:
         """Keep the cached prefix of ``tokens`` on its tiers on the node until :meth:`unpin` (pins what is
         cached now; NOT_FOUND when nothing is, RESOURCE_EXHAUSTED past the node's pinned-page bound)."""
         req = pb.PinRequest(namespace=ns_ref(tenant), tokens=encode_tokens(tokens))
-        return PinInfo.from_pb(await self._call(self.stub.Pin, req, timeout_s))
+        return PinInfo.from_pb(await self._call(self.stub.Pin, req, timeout_s, idempotent=False))
 
     async def unpin(self, pin_id: int, timeout_s: float | None = None) -> PinInfo:
         """End pin ``pin_id`` (NOT_FOUND when there is no such pin)."""
-        return PinInfo.from_pb(await self._call(self.stub.Unpin, pb.UnpinRequest(pin_id=pin_id), timeout_s))
+        return PinInfo.from_pb(await self._call(self.stub.Unpin, pb.UnpinRequest(pin_id=pin_id), timeout_s,
+                                                idempotent=False))
 
     async def pins(self, timeout_s: float | None = None) -> list[PinInfo]:
         """The pins the node holds, oldest first."""
-        resp = await self._call(self.stub.ListPins, pb.ListPinsRequest(), timeout_s)
+        resp = await self._call(self.stub.ListPins, pb.ListPinsRequest(), timeout_s, idempotent=True)
         return [PinInfo.from_pb(p) for p in resp.pins]
 
     async def pool_info(self, timeout_s: float | None = None) -> PoolInfo:
-        return PoolInfo.from_pb(await self._call(self.stub.GetPoolInfo, pb.GetPoolInfoRequest(), timeout_s))
+        """As :meth:`HiCacheClient.pool_info`: KV layout and L1 pool geometry, no handle."""
+        return PoolInfo.from_pb(await self._call(self.stub.GetPoolInfo, pb.GetPoolInfoRequest(), timeout_s,
+                                                 idempotent=True))
 
     async def attach(self, timeout_s: float | None = None) -> AttachedPool:
-        info = PoolInfo.from_pb(await self._call(self.stub.Attach, pb.AttachRequest(), timeout_s))
+        """As :meth:`HiCacheClient.attach`: map the node's shared L1 pool into this process (same host)."""
+        info = PoolInfo.from_pb(await self._call(self.stub.Attach, pb.AttachRequest(), timeout_s, idempotent=True))
         return attach_pool(info)
 
     async def watch_events(self, max_queue: int = 0, timeout_s: float | None = None) -> AsyncIterator[Event]:
+        """As :meth:`HiCacheClient.watch_events`: a snapshot, then every event (no deadline by default)."""
         call = self.stub.WatchEvents(pb.WatchEventsRequest(max_queue=max_queue), timeout=timeout_s,
                                      metadata=self._md)
         try:
@@ -175,6 +215,7 @@ class AsyncHiCacheClient:
 
     async def read_pages(self, tokens: Tokens, *, tenant: str = "", max_pages: int = 0,
                          timeout_s: float | None = None) -> tuple[list[bytes], bytes]:
+        """As :meth:`HiCacheClient.read_pages`: page keys and page-first bytes of the cached prefix."""
         req = pb.ReadPagesRequest(namespace=ns_ref(tenant), tokens=encode_tokens(tokens), max_pages=max_pages)
         keys: list[bytes] = []
         parts: list[bytes] = []
@@ -188,6 +229,7 @@ class AsyncHiCacheClient:
     async def write_pages(self, tokens: Tokens, data: bytes | memoryview, *, first_page: int = 0,
                           tenant: str = "", chunk_bytes: int = 4 << 20,
                           timeout_s: float | None = None) -> CommitResult:
+        """As :meth:`HiCacheClient.write_pages`: send page bytes for the node to commit."""
         msgs = write_pages_messages(tokens, data, first_page, tenant, chunk_bytes)
         r = await self.stub.WritePages(iter(msgs), timeout=self.timeout_s if timeout_s is None else timeout_s,
                                        metadata=self._md)
@@ -196,49 +238,126 @@ class AsyncHiCacheClient:
 
 class AsyncMatchStream:
     """Matches over one MatchStream call: one at a time (write, read), or pipelined (a reader task hands
-    replies to the waiting calls in order)."""
+    replies to the waiting calls in order).
+
+    A call cancelled once its request is out (``asyncio.wait_for`` timing out) loses only its own reply:
+    the write, and unpipelined the read of the reply, run to their end regardless (cancelling them midway
+    would make gRPC cancel the whole stream), the reply is dropped, and later calls get theirs. A call
+    cancelled before its turn to write sends nothing. A cancelled Match that was not a peek may still have
+    opened its request on the node: release its ``request_id`` (one the server named stays open until
+    the node's idle expiry).
+
+    Once the stream is over (the node or the connection went away, ``close``, a fault in this client while
+    reading it) every waiting and later call raises at once: the stream's ``grpc.aio.AioRpcError``, or
+    :class:`CallError` with UNAVAILABLE (the stream ended), FAILED_PRECONDITION (closed), the status
+    the call ended with, or INTERNAL (a fault here; the fault is its ``__cause__``). Open a new session to
+    go on.
+    """
 
     def __init__(self, client: AsyncHiCacheClient, pipelined: bool = False) -> None:
         self._call = client.stub.MatchStream(metadata=client._md)
         self._pipelined = pipelined
+        # calls whose request is written (or being written) and whose reply has not come, in order
         self._pending: collections.deque[asyncio.Future[pb.MatchResponse]] = collections.deque()
         self._write_lock = asyncio.Lock()
         self._reader: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None  # set once the stream is over: what every call raises
+        self._closed: CallError | None = None  # set by close: what later calls raise
 
-    async def _read(self) -> None:
-        err: BaseException | None = None
-        try:
-            async for m in self._call:
-                self._pending.popleft().set_result(m)
-        except BaseException as e:  # the stream broke: every pending call fails with its error
-            err = e
+    async def _error(self, e: BaseException | None) -> BaseException:
+        """What calls raise once the stream is over, from what ended it (``None``: the stream ended)."""
+        if isinstance(e, grpc.RpcError | CallError):
+            return e
+        with contextlib.suppress(Exception):
+            if self._call.done():  # a write or read refused because the call had ended: say how it ended
+                code = await self._call.code()
+                if code != grpc.StatusCode.OK:
+                    return CallError(code, await self._call.details())
+        if e is None:
+            return CallError(grpc.StatusCode.UNAVAILABLE, "match stream ended")
+        err = CallError(grpc.StatusCode.INTERNAL, f"match stream failed: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
+
+    def _fail(self, err: BaseException) -> None:
+        """The stream is over: fail every waiting call (and, through ``_failure``, every later one)."""
+        if self._failure is None:
+            self._failure = err
+            self._call.cancel()  # no-op when the call has ended; else frees the node's side of it
         while self._pending:
             f = self._pending.popleft()
             if not f.done():
-                f.set_exception(err or CallError(grpc.StatusCode.UNAVAILABLE, "match stream ended"))
+                f.set_exception(self._failure)
+
+    async def _read(self) -> None:
+        """Pipelined: hand each reply to the oldest pending call (dropped when that call was cancelled)."""
+        err: Exception | None = None
+        try:
+            async for m in self._call:
+                f = self._pending.popleft()  # IndexError (a reply nobody asked for) fails the session
+                if not f.done():
+                    f.set_result(m)
+        except Exception as e:
+            err = e
+        except BaseException as e:  # the reader itself was cancelled (loop shutting down), or interrupted
+            self._fail(CallError(grpc.StatusCode.CANCELLED, f"match stream: reader stopped ({type(e).__name__})"))
+            raise
+        self._fail(await self._error(err))
+
+    async def _send(self, req: pb.MatchRequest, fut: asyncio.Future[pb.MatchResponse]) -> None:
+        """Write ``req`` in turn; unpipelined, also read its reply into ``fut`` (pipelined: the reader
+        does). Runs shielded from the caller's cancellation."""
+        async with self._write_lock:
+            if fut.done():
+                return  # the call was cancelled before its turn: nothing is sent
+            err = self._closed or self._failure
+            if err is not None:
+                fut.set_exception(err)
+                return
+            if self._pipelined and self._reader is None:
+                self._reader = asyncio.create_task(self._read())
+            self._pending.append(fut)
+            try:
+                await self._call.write(req)
+                if self._pipelined:
+                    return
+                m = await self._call.read()
+            except Exception as e:  # gRPC has ended the call
+                self._fail(await self._error(e))
+                return
+            except BaseException:  # this task was cancelled (loop shutting down): gRPC cancels the call
+                self._fail(CallError(grpc.StatusCode.CANCELLED, "match stream: cancelled while writing"))
+                raise
+            if m is grpc.aio.EOF:
+                self._fail(await self._error(None))
+                return
+            self._pending.popleft()
+            if not fut.done():  # done: the call was cancelled meanwhile; its reply is dropped
+                fut.set_result(m)
 
     async def match(self, tokens: Tokens, request_id: str = "", *, tenant: str = "", load: bool = False,
                     skip_l3: bool = False, peek: bool = False, return_keys: bool = False) -> MatchResult:
+        """As :meth:`HiCacheClient.match`, over the stream; a refusal raises :class:`CallError`."""
         req = match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
-        if not self._pipelined:
-            async with self._write_lock:
-                await self._call.write(req)
-                m = await self._call.read()
-            if m is grpc.aio.EOF:
-                raise CallError(grpc.StatusCode.UNAVAILABLE, "match stream ended")
-            return MatchResult.from_pb(check_reply(m))
         fut: asyncio.Future[pb.MatchResponse] = asyncio.get_running_loop().create_future()
-        async with self._write_lock:
-            self._pending.append(fut)
-            await self._call.write(req)
-        if self._reader is None:
-            self._reader = asyncio.create_task(self._read())
-        return MatchResult.from_pb(check_reply(await fut))
+        try:
+            await asyncio.shield(self._send(req, fut))
+            m = await fut
+        except asyncio.CancelledError:
+            fut.cancel()  # not written yet: it never will be; written: its reply is dropped when it comes
+            raise
+        return MatchResult.from_pb(check_reply(m))
 
     async def close(self) -> None:
-        await self._call.done_writing()
+        """End the request side of the stream; when pipelined, wait for the replies still due. Later
+        calls raise :class:`CallError` (FAILED_PRECONDITION)."""
+        async with self._write_lock:
+            if self._closed is None:
+                self._closed = CallError(grpc.StatusCode.FAILED_PRECONDITION, "match stream closed")
+                if self._failure is None:
+                    await self._call.done_writing()
         if self._reader is not None:
-            await self._reader
+            await asyncio.wait([self._reader])
 
     async def __aenter__(self) -> AsyncMatchStream:
         return self

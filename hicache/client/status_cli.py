@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from hicache.address import PORT_RANGE, AddressError, normalize_address
 from hicache.client._common import ChannelSettings
 from hicache.client.types import Stats
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
@@ -178,10 +179,10 @@ def render(view: dict[str, Any], target: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    target = args.target.removeprefix("grpc://")
-    host, _, port = target.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        print(f"hicache status: target {args.target!r}: expected host:port (port 1-65535)", file=sys.stderr)
+    try:
+        target = normalize_address(args.target)
+    except AddressError as e:
+        print(f"hicache status: target {args.target!r}: {e} (expected host:port, {PORT_RANGE})", file=sys.stderr)
         return 2
     if args.watch is not None and not (math.isfinite(args.watch) and args.watch > 0):
         print("hicache status: --watch: must be a finite number > 0 seconds", file=sys.stderr)

@@ -9,7 +9,9 @@
 
 Unary calls, ``prefetch``, ``read_pages`` and ``write_pages`` have a deadline (``timeout_s``, default
 10 s); ``watch_events`` and ``match_stream`` have none by default. Unary calls that fail with UNAVAILABLE
-are retried with exponential backoff (:class:`RetryPolicy`). Errors surface as ``grpc.RpcError`` with
+are retried with exponential backoff when that is safe: always when no connection could be made, and
+after a connection lost mid-call only when a repeat changes nothing (:class:`RetryPolicy` lists which
+calls). Errors surface as ``grpc.RpcError`` with
 the server's status code and message; a refusal inside a ``match_stream`` session raises
 :class:`~hicache.client.CallError` with the same code and message.
 """
@@ -27,13 +29,16 @@ import numpy as np
 
 from hicache.client._common import (
     DEFAULT_TIMEOUT_S,
+    CallError,
     ChannelSettings,
     RetryPolicy,
     Tokens,
     check_reply,
     commit_request,
     encode_tokens,
+    match_idempotent,
     match_request,
+    never_sent,
     ns_ref,
     retryable,
     write_pages_messages,
@@ -57,6 +62,15 @@ R = TypeVar("R")
 
 
 class HiCacheClient:
+    """Blocking client of one node's ``hicache.v1.HiCache`` service, over one gRPC channel.
+
+    ``timeout_s``: default deadline of unary calls, ``prefetch``, ``read_pages`` and ``write_pages``;
+    ``retry``: backoff for unary calls failing with UNAVAILABLE (when a retry is safe: see
+    :class:`RetryPolicy`); ``token``: sent as ``authorization: Bearer``;
+    ``root_certificates`` / ``client_cert`` / ``client_key``: PEM file paths (TLS, mTLS); ``tls``: TLS with
+    the system's roots. Calls may come from several threads at once; a :class:`MatchStream` may not.
+    """
+
     def __init__(self, target: str, *, token: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
                  retry: RetryPolicy | None = None, root_certificates: str = "", client_cert: str = "",
                  client_key: str = "", tls: bool = False, max_message_bytes: int = 64 << 20) -> None:
@@ -72,7 +86,11 @@ class HiCacheClient:
         self._md = self.settings.metadata()
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, method: Callable[..., R], request: Any, timeout_s: float | None) -> R:
+    def _call(self, method: Callable[..., R], request: Any, timeout_s: float | None, *,
+              idempotent: bool = False) -> R:
+        """One unary call, tried again on UNAVAILABLE as :class:`RetryPolicy` says (``idempotent``: a
+        repeat changes nothing, so it may follow a failure after the server took the call; by default
+        a call is not)."""
         budget = self.timeout_s if timeout_s is None else timeout_s
         end = time.monotonic() + budget
         attempt = 0
@@ -81,7 +99,7 @@ class HiCacheClient:
                 return method(request, timeout=max(0.001, end - time.monotonic()), metadata=self._md)
             except grpc.RpcError as e:
                 attempt += 1
-                if not retryable(e) or attempt >= self.retry.attempts:
+                if not retryable(e, idempotent) or attempt >= self.retry.attempts:
                     raise
                 pause = self.retry.delay(attempt - 1)
                 if time.monotonic() + pause >= end:
@@ -93,6 +111,7 @@ class HiCacheClient:
         grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
 
     def close(self) -> None:
+        """Close the channel; calls still active on it are ended."""
         self.channel.close()
 
     def __enter__(self) -> HiCacheClient:
@@ -107,7 +126,7 @@ class HiCacheClient:
               timeout_s: float | None = None) -> MatchResult:
         """Longest cached prefix; opens a request (the returned ``request_id``) unless ``peek``."""
         req = match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
-        return MatchResult.from_pb(self._call(self.stub.Match, req, timeout_s))
+        return MatchResult.from_pb(self._call(self.stub.Match, req, timeout_s, idempotent=match_idempotent(req)))
 
     def match_stream(self) -> MatchStream:
         """A MatchStream session (one call in flight at a time from this blocking client)."""
@@ -123,49 +142,84 @@ class HiCacheClient:
             yield PrefetchProgress.from_pb(m)
 
     def allocate(self, request_id: str, num_pages: int, timeout_s: float | None = None) -> np.ndarray:
-        r = self._call(self.stub.Allocate, pb.AllocateRequest(request_id=request_id, num_pages=num_pages), timeout_s)
+        """``num_pages`` L1 pages (int64) owned by the open request, evicting unlocked pages if needed.
+
+        NOT_FOUND: unknown or released id; INVALID_ARGUMENT: 0 pages or over the node's request limit;
+        RESOURCE_EXHAUSTED: L1 cannot free that many (the rest is locked).
+        """
+        r = self._call(self.stub.Allocate, pb.AllocateRequest(request_id=request_id, num_pages=num_pages), timeout_s,
+                       idempotent=False)
         return np.asarray(r.device_indices, dtype=np.int64)
 
     def commit(self, request_id: str, tokens: Tokens, device_indices: Sequence[int] | np.ndarray,
                timeout_s: float | None = None) -> CommitResult:
+        """Insert the request's pages; the request stays open until :meth:`release`.
+
+        ``tokens``: the whole sequence, matched prefix included; ``device_indices``: the L1 page of each of
+        its full pages, the match's prefix pages first, then pages from :meth:`allocate`. INVALID_ARGUMENT:
+        a page count that differs from the tokens'; FAILED_PRECONDITION: tokens that do not extend the
+        match, or a page the request does not own; NOT_FOUND: unknown or released id.
+        """
         return CommitResult.from_pb(self._call(self.stub.Commit, commit_request(request_id, tokens, device_indices),
-                                               timeout_s))
+                                               timeout_s, idempotent=False))
 
     def release(self, request_id: str, timeout_s: float | None = None) -> None:
-        self._call(self.stub.Release, pb.ReleaseRequest(request_id=request_id), timeout_s)
+        """Close the request: unlock its prefix, free pages it still owns (NOT_FOUND: unknown or released).
+
+        Retried like a read: a repeat that finds the request gone after an attempt whose reply was lost
+        returns normally (that attempt released it)."""
+        maybe_taken = False  # an earlier attempt may have reached the server
+
+        def once(request: pb.ReleaseRequest, **kw: Any) -> pb.ReleaseResponse:
+            nonlocal maybe_taken
+            try:
+                return self.stub.Release(request, **kw)
+            except grpc.RpcError as e:
+                if maybe_taken and e.code() == grpc.StatusCode.NOT_FOUND:
+                    return pb.ReleaseResponse()
+                maybe_taken = maybe_taken or not never_sent(e)
+                raise
+
+        self._call(once, pb.ReleaseRequest(request_id=request_id), timeout_s, idempotent=True)
 
     def stats(self, timeout_s: float | None = None) -> Stats:
-        return Stats.from_pb(self._call(self.stub.Stats, pb.StatsRequest(), timeout_s))
+        """The node's pool occupancy, hit counters, L3 counters and pins (:class:`Stats`)."""
+        return Stats.from_pb(self._call(self.stub.Stats, pb.StatsRequest(), timeout_s, idempotent=True))
 
     def flush(self, timeout_s: float | None = None) -> FlushResult:
         """Wait (up to the call's deadline) until the node's backups in flight and queued L3 writes are
         done; ``complete`` says everything reached the store."""
-        return FlushResult.from_pb(self._call(self.stub.Flush, pb.FlushRequest(), timeout_s))
+        return FlushResult.from_pb(self._call(self.stub.Flush, pb.FlushRequest(), timeout_s, idempotent=True))
 
     def clear(self, timeout_s: float | None = None) -> ClearResult:
         """Drop every L1 and L2 page on the node that no request holds and no pin keeps (L3 untouched)."""
-        return ClearResult.from_pb(self._call(self.stub.Clear, pb.ClearRequest(), timeout_s))
+        return ClearResult.from_pb(self._call(self.stub.Clear, pb.ClearRequest(), timeout_s, idempotent=False))
 
     def pin(self, tokens: Tokens, *, tenant: str = "", timeout_s: float | None = None) -> PinInfo:
         """Keep the cached prefix of ``tokens`` on its tiers on the node until :meth:`unpin` (pins what is
         cached now; NOT_FOUND when nothing is, RESOURCE_EXHAUSTED past the node's pinned-page bound)."""
         req = pb.PinRequest(namespace=ns_ref(tenant), tokens=encode_tokens(tokens))
-        return PinInfo.from_pb(self._call(self.stub.Pin, req, timeout_s))
+        return PinInfo.from_pb(self._call(self.stub.Pin, req, timeout_s, idempotent=False))
 
     def unpin(self, pin_id: int, timeout_s: float | None = None) -> PinInfo:
         """End pin ``pin_id`` (NOT_FOUND when there is no such pin)."""
-        return PinInfo.from_pb(self._call(self.stub.Unpin, pb.UnpinRequest(pin_id=pin_id), timeout_s))
+        return PinInfo.from_pb(self._call(self.stub.Unpin, pb.UnpinRequest(pin_id=pin_id), timeout_s,
+                                          idempotent=False))
 
     def pins(self, timeout_s: float | None = None) -> list[PinInfo]:
         """The pins the node holds, oldest first."""
-        resp = self._call(self.stub.ListPins, pb.ListPinsRequest(), timeout_s)
+        resp = self._call(self.stub.ListPins, pb.ListPinsRequest(), timeout_s, idempotent=True)
         return [PinInfo.from_pb(p) for p in resp.pins]
 
     def pool_info(self, timeout_s: float | None = None) -> PoolInfo:
-        return PoolInfo.from_pb(self._call(self.stub.GetPoolInfo, pb.GetPoolInfoRequest(), timeout_s))
+        """The node's KV layout and L1 pool geometry (GetPoolInfo: no handle)."""
+        return PoolInfo.from_pb(self._call(self.stub.GetPoolInfo, pb.GetPoolInfoRequest(), timeout_s,
+                                           idempotent=True))
 
     def attach_info(self, timeout_s: float | None = None) -> PoolInfo:
-        return PoolInfo.from_pb(self._call(self.stub.Attach, pb.AttachRequest(), timeout_s))
+        """The Attach reply: layout plus the handle that maps the shared L1 pool (FAILED_PRECONDITION when
+        the node does not share its pool); :meth:`attach` maps it."""
+        return PoolInfo.from_pb(self._call(self.stub.Attach, pb.AttachRequest(), timeout_s, idempotent=True))
 
     def attach(self, timeout_s: float | None = None) -> AttachedPool:
         """Map the server's L1 pool into this process (same host)."""
@@ -204,21 +258,59 @@ class HiCacheClient:
 
 
 class MatchStream:
-    """Matches over one MatchStream call, one at a time; ``close()`` ends the stream."""
+    """Matches over one MatchStream call, one at a time; ``close()`` ends the stream.
+
+    A call interrupted while it waits for its reply (a signal handler raising, ``KeyboardInterrupt``)
+    leaves that reply due on the stream, where the next call would take it for its own. So the stream is
+    cancelled then, and later calls raise :class:`CallError` (CANCELLED): open a new session. Likewise
+    once the stream has failed, ended or been closed, every later call raises at once.
+    """
 
     _END = object()
 
     def __init__(self, client: HiCacheClient) -> None:
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._replies = client.stub.MatchStream(iter(self._q.get, self._END), metadata=client._md)
+        self._failure: BaseException | None = None  # set once no more calls can be made: what they raise
 
     def match(self, tokens: Tokens, request_id: str = "", *, tenant: str = "", load: bool = False,
               skip_l3: bool = False, peek: bool = False, return_keys: bool = False) -> MatchResult:
-        self._q.put(match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys))
-        return MatchResult.from_pb(check_reply(next(self._replies)))
+        """As :meth:`HiCacheClient.match`, over the stream (no deadline, no retry); blocks for the reply.
+
+        A refused request raises :class:`CallError` and the stream goes on; a failed stream raises
+        ``grpc.RpcError`` (and so does every later call); a stream that ended, was closed or was cancelled
+        raises :class:`CallError`.
+        """
+        req = match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
+        if self._failure is not None:
+            raise self._failure
+        self._q.put(req)
+        try:
+            m = next(self._replies)
+        except StopIteration:
+            self._failure = CallError(grpc.StatusCode.UNAVAILABLE, "match stream ended")
+            raise self._failure from None
+        except grpc.RpcError as e:  # the stream failed: later calls raise the same
+            self._failure = e
+            raise
+        except BaseException as e:  # interrupted while the reply is due: no later call may take it
+            self._failure = CallError(grpc.StatusCode.CANCELLED,
+                                      f"match stream: an earlier call was interrupted ({type(e).__name__}) "
+                                      "while its reply was due; the stream was cancelled")
+            self._replies.cancel()
+            raise
+        return MatchResult.from_pb(check_reply(m))
 
     def close(self) -> None:
+        """End the request side of the stream and wait for the server to end its side (at once when the
+        stream has already failed). Later calls raise :class:`CallError`."""
+        failed = self._failure is not None
+        if not failed:
+            self._failure = CallError(grpc.StatusCode.FAILED_PRECONDITION, "match stream closed")
         self._q.put(self._END)
+        if failed:
+            self._replies.cancel()
+            return
         for _ in self._replies:
             pass
 
@@ -229,4 +321,6 @@ class MatchStream:
         if e is None:
             self.close()
         else:
+            if self._failure is None:
+                self._failure = CallError(grpc.StatusCode.CANCELLED, "match stream cancelled")
             self._replies.cancel()

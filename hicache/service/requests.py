@@ -7,6 +7,11 @@ time (``Entry.lock``). Requests idle for longer than ``idle_ttl_s`` (a client th
 :meth:`RequestTable.expired` and released by the servicer's ``expire_idle``, so their locks cannot pin
 the cache forever.
 
+A Match on an open id is refused (ALREADY_EXISTS), except an exact repeat of the Match that opened it
+before any other call used the id: a client retrying after the reply was lost (the connection dropped).
+:meth:`RequestTable.repeat` finds that entry, and the servicer answers it with the same reply. The
+opening request is kept (``Entry.opening``) only until the id's next call, which ends that window.
+
 All methods run on the event loop thread (no locking needed for the dict itself).
 """
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -28,6 +34,7 @@ MAX_ID_BYTES = 128
 class Entry:
     request_id: str
     request: Request | None = None  # None while the opening Match is still running
+    opening: Any = None  # the MatchRequest that opened the id, until another call uses it (see repeat)
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -50,6 +57,16 @@ class RequestTable:
         self._entries[request_id] = e
         return e
 
+    def repeat(self, request_id: str, request: Any) -> Entry | None:
+        """The entry that ``request`` (a MatchRequest naming ``request_id``) repeats exactly, if it was opened
+        by the same request and no other call has used it since; ``None`` otherwise. The entry's
+        ``request`` is still ``None`` while that first Match runs."""
+        e = self._entries.get(request_id)
+        if e is None or e.opening is None or e.opening != request:
+            return None
+        e.last_used = time.monotonic()
+        return e
+
     def drop(self, request_id: str) -> None:
         self._entries.pop(request_id, None)
 
@@ -62,6 +79,7 @@ class RequestTable:
             raise ServiceError(grpc.StatusCode.NOT_FOUND,
                                f"request_id {request_id!r}: no open request (never matched, or already released)")
         e.last_used = time.monotonic()
+        e.opening = None  # the id is in use now: a Match naming it again is a conflict, not a retry
         return e
 
     def pop(self, request_id: str) -> Entry:

@@ -12,7 +12,9 @@ into ``hicache_rpc_seconds`` (:mod:`.rpc`).
 Deadlines: gRPC cancels a handler whose deadline passed; Prefetch cuts its wait for the L3 run to the
 time remaining, while ReadPages and WritePages wait as the prefetch policy says. A Match cancelled while
 its worker still runs keeps its id: the request opens when the worker finishes and is released by the
-client's Release or by idle expiry.
+client's Release or by idle expiry. A Match that repeats exactly the one that opened its id, before any
+other call on the id, gets that Match's reply again instead of ALREADY_EXISTS: clients resend a Match
+whose reply was lost (:mod:`.requests`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ DEFAULT_EVENT_QUEUE = 4096
 MAX_EVENT_QUEUE = 1 << 20
 PAGE_CHUNK_BYTES = 4 << 20  # ReadPages: at most this much page data per message (at least one page)
 DEADLINE_MARGIN_S = 0.02
+REPEAT_POLL_S = 0.005  # a repeated Match whose first is still opening the request checks this often
 PROGRESS_POLL_S = 0.01  # Prefetch with stream_progress: how often the fetch is checked for its end
 T = TypeVar("T")
 
@@ -233,8 +236,14 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             else:
                 req = self._peek(tokens, ns, False, request.return_keys)
             return self._match_response(req, "", request.return_keys)
+        if request.request_id:
+            again = await self._repeat(request)
+            if again is not None:
+                return again
         rid = request.request_id or uuid.uuid4().hex
         entry = self.table.reserve(rid)
+        if request.request_id:
+            entry.opening = request
         try:
             if l3 or request.load:
                 req = await blocking(self._open, entry, tb, ns, l3, request.load, request.return_keys)
@@ -254,6 +263,25 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             raise
         loading = [h for h in req.pending if not h.done()]
         if loading:  # L1 pages another request is still loading from L2: reply once they hold their data
+            await blocking(MultiHandle(loading).wait)
+        return self._match_response(req, rid, request.return_keys)
+
+    async def _repeat(self, request: pb.MatchRequest) -> pb.MatchResponse | None:
+        """The reply to a Match that repeats exactly the one that opened its id, with no other call on the
+        id since (a client resending after the reply was lost): built from the open request as the first
+        reply was, once that Match has opened it. ``None`` when ``request`` is no such repeat (or the first
+        attempt failed meanwhile): the Match then goes on as usual (opens the id, or ALREADY_EXISTS)."""
+        rid = request.request_id
+        while True:
+            entry = self.table.repeat(rid, request)
+            if entry is None:
+                return None
+            if entry.request is not None:
+                break
+            await asyncio.sleep(REPEAT_POLL_S)  # the first attempt is still opening it (L3 lookup, load)
+        req = entry.request
+        loading = [h for h in req.pending if not h.done()]
+        if loading:
             await blocking(MultiHandle(loading).wait)
         return self._match_response(req, rid, request.return_keys)
 

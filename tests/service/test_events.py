@@ -149,3 +149,17 @@ def test_snapshot_is_split_and_ordered(make_cache: Callable[..., HiCache], monke
     assert [p.snapshot_continues for p in parts] == [True, True, False]
     assert sum(len(p.runs) for p in parts) == 5 and len({p.sequence for p in parts}) == 1
 
+
+
+def test_event_tiers_skip_unspecified_and_name_unknown_values() -> None:
+    """TIER_UNSPECIFIED names no tier (proto3's default; servers never send it): it is left out. A tier
+    value this client does not know (a newer server's) reads "unknown", as an unknown kind does."""
+    run = pb.PageRun(namespace_digest=b"d" * 32, page_keys=[b"k"], tokens=np.arange(PS, dtype="<u4").tobytes(),
+                     tiers=[pb.TIER_UNSPECIFIED, pb.TIER_L1, pb.TIER_L2])
+    ev = Event.from_pb(pb.Event(sequence=3, kind=pb.Event.STORED, runs=[run], server_id="s"))
+    assert ev.kind == "stored" and ev.runs[0].tiers == ("l1", "l2")
+    only = pb.PageRun(tiers=[pb.TIER_UNSPECIFIED])
+    assert Event.from_pb(pb.Event(kind=pb.Event.TIER_CHANGED, runs=[only])).runs[0].tiers == ()
+    newer = pb.Event.FromString(pb.Event(kind=7, runs=[pb.PageRun(tiers=[pb.TIER_L1, 5])]).SerializeToString())
+    ev = Event.from_pb(newer)
+    assert ev.kind == "unknown" and ev.runs[0].tiers == ("l1", "unknown")
