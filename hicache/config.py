@@ -3,7 +3,9 @@
 Load it with :func:`load_config` from YAML (sections ``model``, ``layout``, ``cache``, ``storage``,
 ``serve``), then environment overrides ``HICACHE_<SECTION>__<FIELD>`` (for example
 ``HICACHE_CACHE__WRITE_POLICY=write_back``), then explicit overrides (CLI flags). Every bad value raises
-:class:`ConfigError` naming the field and what is allowed.
+:class:`ConfigError` naming the field and what is allowed; when the value came from an environment variable,
+the message starts with that variable (``HICACHE_CACHE__L1_TOKENS=abc: cache.l1_tokens: must be an
+integer, got 'abc'``), since the variable, not a file, is what the operator has to fix.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,12 +47,20 @@ ENV_PREFIX = "HICACHE_"
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
+    """A configuration value is invalid; the message names the field.
+
+    ``field`` is the dotted name the error is about (``cache.l1_tokens``, ``cache.transfer_options.blocks``,
+    or a section such as ``cache``). Messages start with it, so when it is not given it is read from there.
+    """
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field if field is not None else message.partition(":")[0].strip()
 
 
 def _require(cond: bool, fieldname: str, allowed: str, value: Any) -> None:
     if not cond:
-        raise ConfigError(f"{fieldname}: must be {allowed}, got {value!r}")
+        raise ConfigError(f"{fieldname}: must be {allowed}, got {value!r}", fieldname)
 
 
 @dataclass
@@ -240,7 +250,12 @@ def _coerce(section: str, name: str, tp: Any, value: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin in (dict, Mapping) or tp is dict:
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as e:
+                problem = getattr(e, "problem", None) or type(e).__name__
+                raise ConfigError(f"{where}: must be a mapping, got {value!r} (not valid YAML: {problem})",
+                                  where) from None
         _require(isinstance(value, dict), where, "a mapping", value)
         return dict(value)
     if isinstance(origin, type) and issubclass(origin, types.UnionType):  # pragma: no cover
@@ -315,6 +330,55 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
     return out
 
 
+def env_sources(env: Mapping[str, str]) -> dict[str, str]:
+    """Which environment variable set each field: ``{"cache.l1_tokens": "HICACHE_CACHE__L1_TOKENS"}``
+    (the keys as :func:`env_overrides` reads them: lower case, ``section.field``)."""
+    out: dict[str, str] = {}
+    for k in env:
+        if k.startswith(ENV_PREFIX) and "__" in k:
+            section, _, name = k[len(ENV_PREFIX):].partition("__")
+            out[f"{section.lower()}.{name.lower()}"] = k
+    return out
+
+
+def _shown(value: str, limit: int = 80) -> str:
+    """An environment value as an error message quotes it: as is when short and printable (one line),
+    else its ``repr``, cut to ``limit`` characters."""
+    if value.isprintable() and value.strip() == value and value and len(value) <= limit:
+        return value
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 4] + "...'"
+
+
+def blame_env(error: ConfigError, env: Mapping[str, str], overrides: Mapping[str, Mapping[str, Any]] | None = None,
+              file_sections: Collection[str] = ()) -> ConfigError:
+    """``error`` prefixed with ``VAR=value: `` when what it is about came from the environment variable
+    ``VAR``; otherwise ``error`` itself.
+
+    A field's own error (``cache.l1_tokens``) or one inside it (``cache.transfer_options.blocks``) is
+    blamed on the variable that set the field, unless an explicit override (a flag) replaced it. A
+    section's error (an unknown section ``cachex``) is blamed on the first variable naming that section,
+    unless the config file (``file_sections``) or an override names the section too. Values of
+    ``*_token`` fields (bearer tokens) are not repeated.
+    """
+    field = error.field
+    overrides = overrides or {}
+    sources = env_sources(env)
+    var = None
+    if "." in field:
+        for key, name in sources.items():
+            section, _, fname = key.partition(".")
+            if (field == key or field.startswith(key + ".")) and fname not in overrides.get(section, {}):
+                var = name
+                break
+    elif field not in file_sections and field not in overrides:
+        var = next((name for key, name in sources.items() if key.partition(".")[0] == field), None)
+    if var is None:
+        return error
+    shown = "<hidden>" if var.lower().endswith("_token") else _shown(env[var])
+    return ConfigError(f"{var}={shown}: {error}", error.field)
+
+
 def merge(base: Mapping[str, Any], *overlays: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     for k, v in base.items():
         if v is not None and not isinstance(v, Mapping):
@@ -345,5 +409,8 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping of sections")
         data = loaded
-    env_map = env_overrides(os.environ if env is None else env)
-    return config_from_dict(merge(data, env_map, overrides or {}))
+    env = os.environ if env is None else env
+    try:
+        return config_from_dict(merge(data, env_overrides(env), overrides or {}))
+    except ConfigError as e:
+        raise blame_env(e, env, overrides, file_sections=data) from None

@@ -19,11 +19,18 @@ All three are the same 7-D view ``[P / B, L, C, B, S, H, D]`` (``HostPool.blocks
 The allocator hands out page indices; it knows which pages are free and which are out. Who holds an out
 page (the tree, a request, a transfer in flight) is the cache's business; the cache's
 ``check_integrity`` proves free + cached + in flight == capacity.
+
+An L2 pool is usually the largest allocation of the process (tens of GB), so ``HostPool`` checks its size
+against :func:`available_host_memory` before allocating anything and raises :class:`HostMemoryError`
+when it does not fit: where the kernel overcommits, an unpinned buffer that does not fit would be
+granted anyway and the process killed later, as the cache fills.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -36,6 +43,123 @@ HostLayout = Literal["page_first", "layer_first", "block_first"]
 # per-layer K or V run reaches the copy engine's full-rate copy size
 BLOCK_RUN_BYTES = 64 << 10
 MAX_BLOCK_PAGES = 64
+
+
+# a memory cgroup limit at or above this is "no limit" (cgroup v1 writes 2**63 rounded down to a page)
+_NO_CGROUP_LIMIT = 1 << 60
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units, e.g. ``32.0 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+class HostMemoryError(MemoryError):
+    """A host pool does not fit in the memory this process can get.
+
+    ``needed`` is the buffer's size in bytes; ``available`` what the system said it could spare when it
+    was checked (None when the check passed, or could not be made, and the allocation itself failed,
+    ``detail`` saying why).
+    """
+
+    def __init__(self, needed: int, available: int | None, detail: str = "") -> None:
+        self.needed = needed
+        self.available = available
+        self.detail = detail
+        if available is not None:
+            what = f"only {format_bytes(available)} ({available} bytes) is available"
+        else:
+            what = f"the allocation failed ({detail or 'out of memory'})"
+        super().__init__(f"host pool: {format_bytes(needed)} ({needed} bytes) asked for, {what}")
+
+
+def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
+    """Linux's MemAvailable (free memory plus what it can reclaim without swapping), in bytes."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def _stat_value(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def _cgroup_headroom(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroup (v2, or v1's ``memory`` controller) and its ancestors can still
+    grant, or None when none sets a limit: limit minus usage, plus the inactive file cache the kernel
+    reclaims before it kills anything (what container runtimes count as the working set)."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    best: int | None = None
+    for line in lines:
+        parts = line.split(":", 2)  # hierarchy id : controllers : path
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # cgroup v2's unified hierarchy: "0::/path"
+            mount, limit_f, usage_f, reclaim = Path(root), "memory.max", "memory.current", "inactive_file"
+        elif "memory" in controllers.split(","):
+            mount, limit_f, usage_f, reclaim = (Path(root) / "memory", "memory.limit_in_bytes",
+                                                "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        rel = Path(path.strip() or "/").relative_to("/")
+        # the process's own cgroup and each one above it; in a container whose cgroup is mounted as the
+        # root, the path names the host's view and only the mount itself exists
+        for d in [mount / rel, *(mount / rel).parents]:
+            if not d.is_relative_to(mount):
+                break
+            limit = _read_int(d / limit_f)
+            usage = _read_int(d / usage_f)
+            if limit is None or usage is None or limit >= _NO_CGROUP_LIMIT:
+                continue
+            room = max(0, limit - usage + _stat_value(d / "memory.stat", reclaim))
+            best = room if best is None else min(best, room)
+    return best
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory this process can still get, or None when the system does not say.
+
+    Linux's MemAvailable, capped by the memory cgroup's headroom where a container or service sets a
+    limit (:func:`_cgroup_headroom`); elsewhere the free physical pages ``os.sysconf`` reports.
+    """
+    avail = _meminfo_available()
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):  # not every system names these
+            avail = None
+    room = _cgroup_headroom()
+    if avail is None or room is None:
+        return avail if room is None else room
+    return min(avail, room)
 
 
 def default_block_pages(piece_bytes: int) -> int:
@@ -194,7 +318,6 @@ class HostPool:
         self.layout = layout
         self.num_pages = num_pages
         self.host_layout: HostLayout = host_layout
-        self.allocator = PageAllocator(num_pages)
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         L, C, (S, H, D) = layout.num_layers, layout.kv_count, layout.page_shape
@@ -208,7 +331,16 @@ class HostPool:
             self.block_pages = block_pages or default_block_pages(layout.bytes_per_layer_piece)
             shape = (-(-num_pages // self.block_pages), L, C, self.block_pages, S, H, D)
         self.num_blocks = -(-num_pages // self.block_pages)
-        self.buffer = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=pin_memory)
+        # checked before the allocator's arrays and the buffer exist, so a pool that cannot fit costs nothing
+        needed = self.num_blocks * self.block_pages * layout.bytes_per_page
+        available = available_host_memory()
+        if available is not None and needed > available:
+            raise HostMemoryError(needed, available)
+        self.allocator = PageAllocator(num_pages)
+        try:
+            self.buffer = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=pin_memory)
+        except (RuntimeError, MemoryError) as e:  # the allocator's or the CUDA driver's "out of memory"
+            raise HostMemoryError(needed, None, (str(e).strip().splitlines() or [""])[0]) from e
         self.pinned = pin_memory
         # [P / B, L, C, B, S, H, D] over the same memory, for every layout
         self.blocks = self.buffer.view(self.num_blocks, L, C, self.block_pages, S, H, D)

@@ -78,3 +78,55 @@ def test_bad_yaml_file(tmp_path: Path) -> None:
         load_config(f, env={})
     with pytest.raises(ConfigError, match=r"missing\.yaml"):
         load_config(tmp_path / "missing.yaml", env={})
+
+
+@pytest.mark.parametrize(("env", "start"), [
+    ({"HICACHE_CACHE__L1_TOKENS": "abc"}, "HICACHE_CACHE__L1_TOKENS=abc: cache.l1_tokens: must be an integer"),
+    ({"HICACHE_CACHE__L1_TOKENS": "0"}, "HICACHE_CACHE__L1_TOKENS=0: cache.l1_tokens: must be >= 1"),
+    ({"HICACHE_CACHE__L1_TOKENS": "10"}, "HICACHE_CACHE__L1_TOKENS=10: cache.l1_tokens: must be >= layout.page_size"),
+    ({"HICACHE_SERVE__PORT": "70000"}, "HICACHE_SERVE__PORT=70000: serve.port: must be in [0, 65535]"),
+    ({"HICACHE_SERVE__SHARED_POOL": "maybe"}, "HICACHE_SERVE__SHARED_POOL=maybe: serve.shared_pool"),
+    ({"HICACHE_CACHE__BOGUS": "1"}, "HICACHE_CACHE__BOGUS=1: cache.bogus: unknown field"),
+    ({"HICACHE_CACHEX__L1_TOKENS": "1"}, "HICACHE_CACHEX__L1_TOKENS=1: cachex: unknown section"),
+    ({"HICACHE_CACHE__TRANSFER_OPTIONS": "[1"}, "HICACHE_CACHE__TRANSFER_OPTIONS=[1: cache.transfer_options: "
+                                                "must be a mapping"),
+    ({"HICACHE_CACHE__TRANSFER_OPTIONS": "{blocks: 0}"},
+     "HICACHE_CACHE__TRANSFER_OPTIONS={blocks: 0}: cache.transfer_options.blocks: must be an integer >= 1"),
+])
+def test_bad_env_value_names_the_variable(env: dict[str, str], start: str) -> None:
+    """The operator has to fix the variable, so the message starts with it (and still names the field)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(env={"HICACHE_CACHE__L2_TOKENS": "4096", **env})
+    assert str(e.value).startswith(start), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_env_is_blamed_only_for_what_it_set(tmp_path: Path) -> None:
+    # a flag (explicit override) replaces the bad variable: nothing to complain about
+    assert load_config(env={"HICACHE_CACHE__L1_TOKENS": "abc"}, overrides={"cache": {"l1_tokens": 4096}})
+    # a bad flag beside a good variable of the same section: the field only
+    with pytest.raises(ConfigError) as e:
+        load_config(env={"HICACHE_CACHE__L2_TOKENS": "4096"}, overrides={"cache": {"l1_tokens": 0}})
+    assert str(e.value).startswith("cache.l1_tokens: must be >= 1")
+    # a bad file value that no variable touches
+    f = tmp_path / "c.yaml"
+    f.write_text("cache: {l1_tokens: 0}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f, env={"HICACHE_CACHE__L2_TOKENS": "4096"})
+    assert str(e.value).startswith("cache.l1_tokens:")
+    # an unknown section the file names too is the file's
+    f.write_text("cachex: {a: 1}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f, env={"HICACHE_CACHEX__A": "1"})
+    assert str(e.value).startswith("cachex: unknown section")
+
+
+def test_env_errors_stay_one_line_and_hide_tokens() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(env={"HICACHE_CACHE__WRITE_POLICY": "write_back\nrm -rf /"})
+    assert str(e.value).startswith("HICACHE_CACHE__WRITE_POLICY='write_back\\nrm -rf /': cache.write_policy")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError) as e:  # a bearer token in a misspelt section is still not printed
+        load_config(env={"HICACHE_SERVER__AUTH_TOKEN": "s3cret"})
+    assert str(e.value).startswith("HICACHE_SERVER__AUTH_TOKEN=<hidden>: server: unknown section")
+    assert "s3cret" not in str(e.value)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -230,3 +232,75 @@ def test_allocator_index_checks_refuse_out_of_range() -> None:
         with pytest.raises(IndexError, match="out of range"):
             a.is_allocated(np.array(bad))
     a.check_integrity()
+
+
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "block_first"])
+def test_host_pool_larger_than_memory_is_refused_before_allocating(host_layout: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool over what the host can spare raises HostMemoryError (a MemoryError) with the bytes asked for,
+    before its allocator or its buffer exist; a block-first pool counts its whole last block."""
+    import hicache.pool as pool_mod
+
+    layout = KVLayout(2, 1, 64, "bfloat16", 16)  # 8 KiB pages
+    monkeypatch.setattr(pool_mod, "available_host_memory", lambda: 10 * layout.bytes_per_page)
+    made: list[int] = []
+    monkeypatch.setattr(pool_mod, "PageAllocator", lambda n: made.append(n))
+    with pytest.raises(pool_mod.HostMemoryError) as e:
+        HostPool(layout, 11, host_layout, block_pages=4)  # type: ignore[arg-type]
+    need = (12 if host_layout == "block_first" else 11) * layout.bytes_per_page
+    assert isinstance(e.value, MemoryError) and (e.value.needed, e.value.available) == (need, 10 * 8192)
+    assert f"({need} bytes) asked for" in str(e.value) and made == []
+    monkeypatch.setattr(pool_mod, "PageAllocator", PageAllocator)
+    assert HostPool(layout, 10, "page_first").nbytes == 10 * 8192  # what fits is allocated as before
+
+
+def test_host_pool_allocation_failure_is_a_host_memory_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the memory check passes (or cannot be made) but the allocation fails, the same error comes
+    with the allocator's reason."""
+    import hicache.pool as pool_mod
+
+    real_empty = torch.empty
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        if "pin_memory" not in kwargs:  # not the pool's buffer (the layout sizes its dtype with one)
+            return real_empty(*args, **kwargs)  # type: ignore[call-overload,no-any-return]
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory\nmore detail")
+
+    monkeypatch.setattr(pool_mod, "available_host_memory", lambda: None)
+    monkeypatch.setattr(pool_mod.torch, "empty", refuse)
+    with pytest.raises(pool_mod.HostMemoryError, match=r"the allocation failed \(DefaultCPUAllocator: can't "
+                                                       r"allocate memory\)$"):
+        HostPool(KVLayout(2, 1, 64, "bfloat16", 16), 4)
+
+
+def test_cgroup_headroom(tmp_path: Path) -> None:
+    """The memory a cgroup still grants: limit - usage + inactive file cache, the tightest of the process's
+    cgroup and its ancestors; none without a limit. cgroup v2 and v1's memory controller."""
+    from hicache.pool import _cgroup_headroom
+
+    v2 = tmp_path / "v2"
+    leaf = v2 / "kubepods" / "pod1"
+    leaf.mkdir(parents=True)
+    (leaf / "memory.max").write_text("1000000\n")
+    (leaf / "memory.current").write_text("600000\n")
+    (leaf / "memory.stat").write_text("anon 500000\ninactive_file 50000\nactive_file 7\n")
+    (v2 / "kubepods" / "memory.max").write_text("max\n")
+    (v2 / "kubepods" / "memory.current").write_text("600000\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/kubepods/pod1\n")
+    assert _cgroup_headroom(str(proc), str(v2)) == 1000000 - 600000 + 50000
+    (v2 / "kubepods" / "memory.max").write_text("700000\n")  # a tighter parent wins
+    assert _cgroup_headroom(str(proc), str(v2)) == 100000
+    proc.write_text("0::/elsewhere\n")  # a host path not mounted here: only the mount root counts
+    assert _cgroup_headroom(str(proc), str(v2)) is None
+
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # no limit
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("5\n")
+    proc.write_text("9:name=systemd:/\n4:memory:/\n0::/\n")
+    assert _cgroup_headroom(str(proc), str(v1)) is None
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("4096\n")
+    (v1 / "memory" / "memory.stat").write_text("inactive_file 1\ntotal_inactive_file 100\n")
+    assert _cgroup_headroom(str(proc), str(v1)) == 4096 - 5 + 100
+    assert _cgroup_headroom(str(tmp_path / "missing"), str(v1)) is None

@@ -14,6 +14,12 @@ mapped to 512 token ids by a fixed function of its id, so two requests share exa
 common hash_ids prefix; the last block is cut to ``input_length``. Output tokens of a Mooncake request are
 unknown, so nothing is cached for them.
 
+A trace holds one format: with ``fmt="auto"`` its first request decides which, and a later line in the
+other format is an error naming that line (the two formats count time in different units and only
+Mooncake's requests share tokens through hash_ids, so a mixed file would replay as nonsense). So is a
+line with both ``hash_ids`` and the own format's ``tokens`` / ``prompt`` / ``text``: ``--format`` says which
+to read.
+
 Errors are :class:`BenchInputError` naming the file and line.
 """
 
@@ -108,6 +114,8 @@ def _own(path: Path, n: int, obj: dict[str, Any], tok: Tokenizer | None) -> Trac
         return TraceRequest(_ids(path, n, obj, "tokens"), _ids(path, n, obj, "output"), ts, session, "jsonl")
     text = obj.get("prompt", obj.get("text"))
     if not isinstance(text, str):
+        if "hash_ids" in obj:  # only when read with --format jsonl: auto would have read it as Mooncake
+            raise BenchInputError(f"trace {path}:{n}: a Mooncake line (hash_ids) read as --format jsonl")
         raise BenchInputError(f"trace {path}:{n}: needs 'tokens' (ids), 'prompt' (text) or 'hash_ids' (Mooncake)")
     tk = tok or WordTokenizer()
     out = obj.get("output_text", "")
@@ -116,18 +124,46 @@ def _own(path: Path, n: int, obj: dict[str, Any], tok: Tokenizer | None) -> Trac
     return TraceRequest(tokens, output, ts, session, "text")
 
 
+# fields only the own format has (a request's ids or its text)
+_OWN_FIELDS = ("tokens", "prompt", "text")
+_FORMAT_NAMES = {"mooncake": "Mooncake (hash_ids)", "jsonl": "own JSONL (tokens/prompt)"}
+
+
+def _detect(path: Path, n: int, obj: dict[str, Any]) -> str:
+    """The format of one line read with ``fmt="auto"``: ``mooncake`` when it has ``hash_ids``, else
+    ``jsonl``; a line with both ``hash_ids`` and an own-format field is an error."""
+    if "hash_ids" not in obj:
+        return "jsonl"
+    own = [f for f in _OWN_FIELDS if f in obj]
+    if own:
+        raise BenchInputError(f"trace {path}:{n}: has both 'hash_ids' (Mooncake) and '{own[0]}' (own JSONL); "
+                              f"pass --format mooncake or --format jsonl")
+    return "mooncake"
+
+
 def load_trace(path: str | Path, fmt: str = "auto", tokenizer: Tokenizer | None = None,
                limit: int | None = None) -> list[TraceRequest]:
     """Read a trace (first ``limit`` requests); ``fmt`` auto-detects Mooncake by its ``hash_ids`` field.
 
-    Requests are returned in file order with timestamps relative to the first one.
+    Requests are returned in file order with timestamps relative to the first one. With ``fmt="auto"``
+    the first request's format is the file's: a later line in the other one is a :class:`BenchInputError`
+    naming the file, that line and the first.
     """
     if fmt not in FORMATS:
         raise BenchInputError(f"--format: unknown trace format {fmt!r}; known: {', '.join(FORMATS)}")
     p = Path(path)
     out: list[TraceRequest] = []
+    first: tuple[int, str] | None = None  # (line, format) of the first request, with fmt="auto"
     for n, obj in _lines(p):
-        kind = fmt if fmt != "auto" else ("mooncake" if "hash_ids" in obj else "jsonl")
+        kind = fmt
+        if fmt == "auto":
+            kind = _detect(p, n, obj)
+            if first is None:
+                first = (n, kind)
+            elif kind != first[1]:
+                raise BenchInputError(f"trace {p}:{n}: the format changes here: this line is "
+                                      f"{_FORMAT_NAMES[kind]}, the first request (line {first[0]}) is "
+                                      f"{_FORMAT_NAMES[first[1]]}; a trace holds one format")
         out.append(_mooncake(p, n, obj) if kind == "mooncake" else _own(p, n, obj, tokenizer))
         if limit is not None and len(out) >= limit:
             break

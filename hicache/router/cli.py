@@ -6,6 +6,10 @@ The config FILE can be the nodes' own (``model`` and ``layout`` must be the node
 the same page keys) plus a ``router`` section (see :mod:`hicache.router.config`). ``--node`` flags
 replace the file's node list. Precedence: file < ``HICACHE_ROUTER__<FIELD>`` / ``HICACHE_MODEL__...``
 environment < flags. Prints ``hicache route: listening on HOST:PORT`` when up; SIGTERM stops it.
+
+Node addresses are checked as ``hicache status`` checks its target (:mod:`hicache.address`): a malformed
+``host:port``, a port outside 1-65535, an empty entry, a name or an address given twice exits with code 2
+and one line naming the flag (or ``router.nodes``, or the ``HICACHE_ROUTER__NODES`` variable).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import logging
 import sys
 from typing import Any
 
-from hicache.router.config import load_router_config
+from hicache.config import ConfigError
+from hicache.router.config import check_nodes, load_router_config, parse_node
 from hicache.router.scoring import policy_names
 
 # flag dest -> (section, field)
@@ -77,6 +82,12 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.node:  # checked here too, so that the message names the flag rather than router.nodes
+        try:
+            check_nodes([parse_node(text, "--node") for text in args.node], "--node")
+        except ConfigError as e:
+            print(f"hicache route: {e}", file=sys.stderr)
+            return 2
     config, rconfig = load_router_config(args.config, overrides=overrides_from_args(args))
     if not rconfig.nodes:
         print("hicache route: no nodes: pass --node NAME=host:port (or router.nodes in --config)", file=sys.stderr)

@@ -28,29 +28,48 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from hicache.config import ConfigError, HiCacheConfig, _coerce, config_from_dict, env_overrides, merge
+from hicache.address import PORT_RANGE, AddressError, normalize_address
+from hicache.config import ConfigError, HiCacheConfig, _coerce, blame_env, config_from_dict, env_overrides, merge
 from hicache.router.scoring import ScoringParams, policy_names
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
 class NodeSpec(NamedTuple):
-    name: str  # unique, [A-Za-z0-9_.-]
-    address: str  # host:port of the node service
+    name: str  # unique; [A-Za-z0-9_.-] when given, else the address itself
+    address: str  # host:port of the node service, as hicache.address.normalize_address writes it
 
 
-def parse_node(text: str) -> NodeSpec:
-    """``NAME=host:port`` -> NodeSpec (a bare ``host:port`` is its own name)."""
+def parse_node(text: str, where: str = "router.nodes") -> NodeSpec:
+    """``NAME=host:port`` -> NodeSpec (a bare ``host:port`` is its own name). The address is checked as
+    ``hicache status`` checks its target (:func:`hicache.address.parse_address`) and kept in that form
+    (no ``grpc://``); ``where`` (the config field, or a flag) starts the error message."""
     name, sep, addr = text.partition("=")
     if not sep:
-        name, addr = text, text
-    name, addr = name.strip(), addr.strip()
-    host, colon, port = addr.rpartition(":")
-    if not _NAME.match(name.replace(":", "_")):
-        raise ConfigError(f"router.nodes: bad node name {name!r} (letters, digits, '_', '.', '-')")
-    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"router.nodes: {text!r}: expected NAME=host:port")
-    return NodeSpec(name, addr)
+        name, addr = "", text
+    name = name.strip()
+    try:
+        address = normalize_address(addr)
+    except AddressError as e:
+        raise ConfigError(f"{where}: {text!r}: {e} (expected NAME=host:port, {PORT_RANGE})", where) from None
+    if sep and not _NAME.match(name):
+        raise ConfigError(f"{where}: {text!r}: bad node name {name!r} (letters, digits, '_', '.', '-')", where)
+    return NodeSpec(name or address, address)
+
+
+def check_nodes(nodes: list[NodeSpec], where: str = "router.nodes") -> None:
+    """Refuse a node list naming one node twice: two entries with one name, or one address under two names
+    (the router would count each page and each request of that node twice)."""
+    names = [n.name for n in nodes]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"{where}: node names must be unique, repeated: {dup}", where)
+    seen: dict[str, str] = {}
+    for n in nodes:
+        key = n.address.lower()
+        if key in seen:
+            raise ConfigError(f"{where}: {n.address} is listed twice (as {seen[key]!r} and {n.name!r})", where)
+        seen[key] = n.name
 
 
 @dataclass
@@ -86,10 +105,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         self.nodes = [n if isinstance(n, NodeSpec) else parse_node(str(n)) for n in self.nodes]
-        names = [n.name for n in self.nodes]
-        dup = {n for n in names if names.count(n) > 1}
-        if dup:
-            raise ConfigError(f"router.nodes: node names must be unique, repeated: {sorted(dup)}")
+        check_nodes(self.nodes)
         if not 0 <= self.port < 65536:
             raise ConfigError(f"router.port: must be in [0, 65535], got {self.port}")
         if not 0 <= self.metrics_port < 65536:
@@ -151,8 +167,12 @@ def load_router_config(path: str | Path | None = None, env: Mapping[str, str] | 
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping of sections")
         data = loaded
-    merged = merge(data, env_overrides(os.environ if env is None else env), overrides or {})
-    router = merged.pop("router", None) or {}
-    if not isinstance(router, Mapping):
-        raise ConfigError(f"router: must be a mapping, got {type(router).__name__}")
-    return config_from_dict(merged), router_config_from_dict(router)
+    env = os.environ if env is None else env
+    try:
+        merged = merge(data, env_overrides(env), overrides or {})
+        router = merged.pop("router", None) or {}
+        if not isinstance(router, Mapping):
+            raise ConfigError(f"router: must be a mapping, got {type(router).__name__}")
+        return config_from_dict(merged), router_config_from_dict(router)
+    except ConfigError as e:  # a bad value from HICACHE_<SECTION>__<FIELD> names that variable
+        raise blame_env(e, env, overrides, file_sections=data) from None

@@ -139,3 +139,11 @@ def test_l3_error_does_not_print_the_password(capsys: pytest.CaptureFixture[str]
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"--l3 redis://127.0.0.1:{port}/0" in err, err
     assert "does not answer" in err and "hunter2" not in err
+
+
+def test_trace_mixing_formats_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "mixed.jsonl"
+    trace.write_text('{"tokens": [1, 2, 3, 4]}\n{"tokens": [1, 2, 3, 5]}\n'
+                     '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [7]}\n')
+    assert main(["bench", "--trace", str(trace), "--quiet"]) == 2
+    _one_line_error(capsys, f"{trace}:3", "the format changes here", "line 1")

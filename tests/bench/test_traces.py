@@ -61,3 +61,44 @@ def test_errors_name_file_and_line(tmp_path: Path, rows: list, where: str) -> No
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(BenchInputError, match="no such file"):
         load_trace(tmp_path / "nope.jsonl")
+
+
+MOONCAKE_LINE = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [3, 9]}
+
+
+@pytest.mark.parametrize(("rows", "line", "this", "first_line", "first"), [
+    ([{"tokens": [1, 2]}, {"prompt": "text"}, "", MOONCAKE_LINE], 4, "Mooncake", 1, "own JSONL"),
+    ([MOONCAKE_LINE, MOONCAKE_LINE, {"timestamp": 1.0, "tokens": [1]}], 3, "own JSONL", 1, "Mooncake"),
+    (["", MOONCAKE_LINE, {"prompt": "text"}], 3, "own JSONL", 2, "Mooncake"),
+])
+def test_mixed_formats_name_the_line_where_it_changes(tmp_path: Path, rows: list, line: int, this: str,
+                                                      first_line: int, first: str) -> None:
+    """Own-format and Mooncake lines in one file (seconds vs milliseconds, ids vs hash_ids) are refused at
+    the first line whose format differs from the first request's."""
+    p = _write(tmp_path / "mixed.jsonl", rows)
+    with pytest.raises(BenchInputError) as e:
+        load_trace(p)
+    msg = str(e.value)
+    assert msg.startswith(f"trace {p}:{line}: the format changes here: this line is {this}"), msg
+    assert f"the first request (line {first_line}) is {first}" in msg and "a trace holds one format" in msg, msg
+    before = sum(1 for r in rows[:line - 1] if r)
+    assert len(load_trace(p, limit=before)) == before  # a --limit that stops before the change reads
+
+
+def test_line_with_both_formats_needs_format(tmp_path: Path) -> None:
+    p = _write(tmp_path / "both.jsonl", [{**MOONCAKE_LINE, "tokens": [1, 2, 3]}])
+    with pytest.raises(BenchInputError, match=f"{p}:1: has both 'hash_ids' \\(Mooncake\\) and 'tokens'"):
+        load_trace(p)
+    assert load_trace(p, fmt="mooncake")[0].kind == "mooncake"  # --format says which
+    assert load_trace(p, fmt="jsonl")[0].tokens.tolist() == [1, 2, 3]
+
+
+def test_each_format_alone_still_reads_with_auto_and_explicit_format(tmp_path: Path) -> None:
+    own = _write(tmp_path / "own.jsonl", [{"tokens": [1, 2]}, {"prompt": "a b"}, {"tokens": [3]}])
+    moon = _write(tmp_path / "moon.jsonl", [MOONCAKE_LINE, {**MOONCAKE_LINE, "timestamp": 10}])
+    assert [r.kind for r in load_trace(own)] == [r.kind for r in load_trace(own, fmt="jsonl")] == \
+        ["jsonl", "text", "jsonl"]
+    assert [r.kind for r in load_trace(moon)] == [r.kind for r in load_trace(moon, fmt="mooncake")] == \
+        ["mooncake", "mooncake"]
+    with pytest.raises(BenchInputError, match=f"{moon}:1: a Mooncake line \\(hash_ids\\) read as --format jsonl"):
+        load_trace(moon, fmt="jsonl")

@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router_helpers import LAYOUT, node_config, tokens
@@ -99,3 +100,33 @@ def test_hicache_route_process(tmp_path: Path) -> None:
             await node.stop(0.1)
 
     asyncio.run(main())
+
+
+def test_route_and_status_refuse_the_same_addresses(capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hicache route --node`` and ``hicache status`` check addresses with one helper: the same address
+    is refused by both with exit code 2 and one line giving the same reason, before anything connects."""
+    for k in [k for k in os.environ if k.startswith("HICACHE_")]:
+        monkeypatch.delenv(k)
+    for bad, why in [("h", "no port"), ("h:0", "port 0 is out of range"), ("h:99999", "port 99999 is out of range"),
+                     ("h:abc", "port 'abc' is not a number"), (":50051", "no host"),
+                     ("http://h:1", "http:// is not an address scheme"), ("::1:50051", "needs brackets"),
+                     ("bad host:1", "not a host name"), ("", "empty")]:
+        assert cli_main(["status", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"hicache status: target {bad!r}: ") and why in err and err.count("\n") == 1, err
+        assert cli_main(["route", "--port", "0", "--node", f"gpu0={bad}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"hicache route: --node: 'gpu0={bad}': ") and why in err and err.count("\n") == 1, err
+
+
+def test_route_refuses_one_node_twice(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in [k for k in os.environ if k.startswith("HICACHE_")]:
+        monkeypatch.delenv(k)
+    for nodes, why in [(["a=h:1", "a=g:1"], "node names must be unique, repeated: ['a']"),
+                       (["a=h:1", "b=grpc://h:1"], "h:1 is listed twice (as 'a' and 'b')"),
+                       (["a=h:1", "a b=g:1"], "bad node name 'a b'")]:
+        argv = ["route", "--port", "0"] + [x for n in nodes for x in ("--node", n)]
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hicache route: --node: ") and why in err and err.count("\n") == 1, err

@@ -60,3 +60,40 @@ def test_cli_flags() -> None:
     assert ov["router"] == {"nodes": ["a=h:1", "b=h:2"], "policy": "round_robin", "port": 0}
     _, rc = load_router_config(None, env={}, overrides=ov)
     assert [n.address for n in rc.nodes] == ["h:1", "h:2"]
+
+
+def test_node_addresses_are_checked_like_status_targets() -> None:
+    """Node addresses follow hicache.address: the rules ``hicache status`` applies to its target."""
+    assert parse_node("a=grpc://h:1") == NodeSpec("a", "h:1")  # the scheme status accepts, dropped
+    assert parse_node("a=[::1]:50051") == NodeSpec("a", "[::1]:50051")
+    assert parse_node("[::1]:50051") == NodeSpec("[::1]:50051", "[::1]:50051")  # bare: its own name
+    assert parse_node(" a = h:1 ") == NodeSpec("a", "h:1")
+    for bad, why in [("", "empty"), ("a=", "empty"), ("a=h:0", "port 0 is out of range"),
+                     ("a=h:65536", "port 65536 is out of range"), ("a=h:\u0661", "is not a number"),
+                     ("a=http://h:1", "http:// is not an address scheme"), ("a=::1:5", "needs brackets"),
+                     ("a=[zz]:5", "not an IPv6 address"), ("a=h h:1", "not a host name"),
+                     ("a=h:1:", "empty port")]:
+        with pytest.raises(ConfigError, match=r"router\.nodes: ") as e:
+            parse_node(bad)
+        assert why in str(e.value), (bad, str(e.value))
+
+
+def test_one_node_twice_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"router": {"nodes": ["a=h:1", "b=H:1"]}}))  # one address, two names
+    with pytest.raises(ConfigError, match=r"router\.nodes: H:1 is listed twice \(as 'a' and 'b'\)"):
+        load_router_config(path, env={})
+    with pytest.raises(ConfigError, match=r"listed twice"):
+        load_router_config(None, env={}, overrides={"router": {"nodes": ["h:1", "x=h:1"]}})
+
+
+def test_bad_router_env_names_the_variable() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_router_config(None, env={"HICACHE_ROUTER__NODES": "a=h:1,b=h:1"})
+    assert str(e.value).startswith("HICACHE_ROUTER__NODES=a=h:1,b=h:1: router.nodes: h:1 is listed twice")
+    with pytest.raises(ConfigError) as e:
+        load_router_config(None, env={"HICACHE_ROUTER__PORT": "x"})
+    assert str(e.value).startswith("HICACHE_ROUTER__PORT=x: router.port: must be an integer")
+    with pytest.raises(ConfigError) as e:
+        load_router_config(None, env={"HICACHE_LAYOUT__PAGE_SIZE": "0"})
+    assert str(e.value).startswith("HICACHE_LAYOUT__PAGE_SIZE=0: layout.page_size")

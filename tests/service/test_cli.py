@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,26 @@ def test_cli_widens_cuda_hardware_queues_unless_set(preset: str | None, monkeypa
 
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == (preset or "32")
     assert os.environ["CUDA_SCALE_LAUNCH_QUEUES"] == ("2x" if preset else "4x")
+
+
+def test_l2_larger_than_the_host_is_one_line_naming_l2_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """An L2 the host cannot hold stops ``hicache serve`` at start with one line naming cache.l2_tokens and
+    the bytes, exit code 2. The pool asks for a pebibyte (64 MiB pages), which no machine has; it is refused
+    before anything is allocated for it (the L1 here is one 64 MiB page)."""
+    from hicache.cli import main
+
+    for k in [k for k in os.environ if k.startswith("HICACHE_")]:
+        monkeypatch.delenv(k)
+    layout = {"num_layers": 64, "num_kv_heads": 8, "head_dim": 256, "dtype": "bfloat16", "page_size": 128}
+    page_bytes = 64 * 2 * 128 * 8 * 256 * 2
+    assert page_bytes == 64 << 20
+    l2_tokens = 128 << 24  # 2**24 pages: 1 PiB
+    path = tmp_path / "node.yaml"
+    path.write_text(yaml.safe_dump({"layout": layout, "cache": {"l1_tokens": 128, "l2_tokens": l2_tokens},
+                                    "serve": {"port": 0, "metrics_port": 0, "shared_pool": False}}))
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"hicache serve: config: cache.l2_tokens: {l2_tokens} tokens"), err
+    assert f"{page_bytes << 24} bytes" in err and "set a smaller cache.l2_tokens" in err, err
