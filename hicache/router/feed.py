@@ -24,7 +24,7 @@ import logging
 
 import grpc
 
-from hicache.client import AsyncHiCacheClient
+from hicache.client import AsyncHiCacheClient, RetryPolicy
 from hicache.router.config import NodeSpec, RouterConfig
 from hicache.router.core import Router
 from hicache.router.index import Applied
@@ -34,9 +34,11 @@ RECONNECT_BASE_S = 0.05
 
 
 def node_client(spec: NodeSpec, rc: RouterConfig) -> AsyncHiCacheClient:
+    """The router's client of one node. One attempt per call: the feed has its own backoff and the node's
+    circuit breaker must see every failure, not the last of several retries."""
     return AsyncHiCacheClient(spec.address, token=rc.node_token, timeout_s=max(2.0, 2 * rc.stats_interval_s),
-                              root_certificates=rc.node_tls_ca, client_cert=rc.node_client_cert,
-                              client_key=rc.node_client_key)
+                              retry=RetryPolicy(attempts=1), root_certificates=rc.node_tls_ca,
+                              client_cert=rc.node_client_cert, client_key=rc.node_client_key)
 
 
 def _describe(e: BaseException) -> tuple[grpc.StatusCode, str]:
