@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from hicache.address import AddressError, parse_address
 from hicache.bench.errors import BenchInputError
 from hicache.bench.workloads import TraceRequest
 from hicache.cache import CacheFullError, HiCache
@@ -285,8 +286,19 @@ class RouterTarget(Target):
         self.channel.close()
 
 
+def grpc_url(url: str) -> str:
+    """``grpc://host:port`` checked as ``hicache status`` and ``hicache route`` check addresses
+    (:mod:`hicache.address`); :class:`BenchInputError` naming ``--target`` otherwise."""
+    try:
+        host, port = parse_address(url)
+    except AddressError as e:
+        raise BenchInputError(f"--target {url}: {e} (expected grpc://host:port)") from None
+    return f"grpc://{host}:{port}"
+
+
 def is_router(url: str) -> bool:
     """True when ``url`` answers the router's ListNodes (and so is not a node)."""
+    url = grpc_url(url)
     import grpc
 
     from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
@@ -310,6 +322,7 @@ def open_target(target: str, config: HiCacheConfig) -> Target:
     if target in ("", "inproc", "in-process"):
         return InProcessTarget(config)
     if target.startswith("grpc://"):
+        target = grpc_url(target)
         try:
             import grpc  # noqa: F401
         except ImportError as e:

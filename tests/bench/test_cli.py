@@ -61,6 +61,8 @@ def test_bad_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     (["bench", "--l1", "lots"], ["--l1", "not a size"]),
     (["bench", "--eviction-policy", "random"], ["unknown policy"]),
     (["bench", "--target", "tcp://x"], ["--target"]),
+    (["bench", "--target", "grpc://h:99999"], ["--target grpc://h:99999", "out of range"]),
+    (["bench", "--target", "grpc://::1:5"], ["--target", "needs brackets"]),
     (["doctor", "--trace", "/nonexistent/t.jsonl"], ["no such file"]),
     (["doctor", "--workload", "chat"], ["unknown workload"]),
     (["bench", "--requests", "20", "--l3", "ftp://x"], ["unknown scheme 'ftp'"]),
