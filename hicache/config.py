@@ -65,6 +65,9 @@ def _require(cond: bool, fieldname: str, allowed: str, value: Any) -> None:
 
 @dataclass
 class ModelConfig:
+    """``model``: what the KV belongs to. Name, revision, TP rank/size and tenant all enter every page's
+    namespace, so pages of different weights, shards or tenants never match each other."""
+
     name: str = "default"  # model id; part of every page key's namespace
     revision: str = "main"  # weights revision: different weights never share pages
     tenant: str = ""  # default tenant salt (requests may carry their own)
@@ -79,6 +82,9 @@ class ModelConfig:
 
 @dataclass
 class LayoutConfig:
+    """``layout``: the KV shape of one token per layer (heads, head size, dtype; MHA keeps K and V, MLA
+    one latent) and the page size in tokens. Part of the namespace: another layout is another cache."""
+
     num_layers: int = 32
     num_kv_heads: int = 8
     head_dim: int = 128
@@ -96,12 +102,16 @@ class LayoutConfig:
                  self.num_kv_heads)
 
     def to_layout(self) -> KVLayout:
+        """The :class:`~hicache.layout.KVLayout` (byte sizes, tensor shapes) this section describes."""
         return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.page_size,
                         self.attention)  # type: ignore[arg-type]
 
 
 @dataclass
 class CacheConfig:
+    """``cache``: L1 (device) and L2 (pinned host) capacities, L2's memory layout, the write, eviction
+    and transfer policies. Capacities are in tokens and round down to whole pages."""
+
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     l1_tokens: int = 65536  # L1 (device) capacity in tokens, rounded down to whole pages
     l2_tokens: int = 262144  # L2 (host) capacity in tokens; 0 disables L2
@@ -143,6 +153,9 @@ class CacheConfig:
 
 @dataclass
 class StorageConfig:
+    """``storage``: the L3 store (a URL; empty turns L3 off), how prefetches from it wait
+    (``best_effort`` / ``wait_complete`` / ``timeout``) and how writebacks to it are batched and queued."""
+
     url: str = ""  # "" disables L3; memory://, redis://..., redis+cluster://..., file:///path, s3://...
     prefetch_policy: str = "timeout"
     prefetch_threshold_tokens: int = 256  # prefetch only L3 runs at least this long
@@ -178,6 +191,9 @@ class StorageConfig:
 
 @dataclass
 class ServeConfig:
+    """``serve``: the gRPC node's address, limits (concurrency, message and request sizes), auth and TLS,
+    the metrics port, and the grace a shutdown gives in-flight calls and queued L3 writes."""
+
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 9400  # 0 disables the /metrics HTTP endpoint
@@ -208,6 +224,10 @@ class ServeConfig:
 
 @dataclass
 class HiCacheConfig:
+    """The whole configuration: one section per concern, each checked when built (:class:`ConfigError`
+    naming the field). Build it with :func:`load_config` (file, environment, overrides) or
+    :func:`config_from_dict`."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -220,18 +240,22 @@ class HiCacheConfig:
 
     @property
     def l1_pages(self) -> int:
+        """L1 capacity in whole pages."""
         return self.cache.l1_tokens // self.layout.page_size
 
     @property
     def l2_pages(self) -> int:
+        """L2 capacity in whole pages (0: no L2)."""
         return self.cache.l2_tokens // self.layout.page_size
 
     def namespace(self, tenant: str | None = None) -> Namespace:
+        """The page-key namespace of this model and layout, under ``tenant`` (None: ``model.tenant``)."""
         m = self.model
         return Namespace(m.name, self.layout.to_layout(), m.revision, m.tp_rank, m.tp_size,
                          m.tenant if tenant is None else tenant)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain nested dicts (for YAML/JSON, and :func:`config_from_dict` again)."""
         return dataclasses.asdict(self)
 
 
@@ -307,6 +331,8 @@ def _build_section(section: str, values: Mapping[str, Any]) -> Any:
 
 
 def config_from_dict(data: Mapping[str, Any]) -> HiCacheConfig:
+    """Sections of plain values -> :class:`HiCacheConfig`; :class:`ConfigError` for an unknown section or
+    field, or a value a section refuses."""
     for section in data:
         if section not in _SECTIONS:
             raise ConfigError(f"{section}: unknown section; known: {sorted(_SECTIONS)}")
@@ -380,6 +406,8 @@ def blame_env(error: ConfigError, env: Mapping[str, str], overrides: Mapping[str
 
 
 def merge(base: Mapping[str, Any], *overlays: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Sections of ``base`` with each overlay's fields laid over them, later overlays winning (a copy);
+    :class:`ConfigError` when a section of ``base`` is not a mapping."""
     for k, v in base.items():
         if v is not None and not isinstance(v, Mapping):
             raise ConfigError(f"{k}: must be a mapping, got {type(v).__name__}")
