@@ -36,7 +36,7 @@ from hicache.cache_types import CacheFullError, CommitResult, LoadResult, MultiH
 from hicache.config import ConfigError, HiCacheConfig
 from hicache.keys import Namespace, page_keys_from_bytes, tokens_to_bytes
 from hicache.metrics import Metrics
-from hicache.pool import DevicePool, HostMemoryError, HostPool, format_bytes
+from hicache.pool import DevicePool, HostMemoryError, HostPool, default_block_pages, format_bytes
 from hicache.radix import EMPTY, RadixTree, TreeEvent, TreeNode
 from hicache.storage.base import StorageBackend, StorageContext, create_backend
 from hicache.storage.prefetch import Prefetcher, PrefetchTask
@@ -52,12 +52,17 @@ def l2_too_large(config: HiCacheConfig, e: HostMemoryError) -> ConfigError:
     """The error for an L2 (``cache.l2_tokens``) that does not fit in host memory: one line with the bytes
     asked for, what is available and a size that would fit. It is the config's to fix, so it is a
     :class:`ConfigError` (``hicache serve`` exits 2 with this line)."""
-    page_bytes = config.layout.to_layout().bytes_per_page
+    layout = config.layout.to_layout()
+    page_bytes = layout.bytes_per_page
     page_size = config.layout.page_size
     asked = (f"cache.l2_tokens: {config.cache.l2_tokens} tokens ({config.l2_pages} pages of "
              f"{format_bytes(page_bytes)}) need {format_bytes(e.needed)} ({e.needed} bytes) of host memory for L2")
     if e.available is not None:
-        fit = e.available // page_bytes * page_size
+        # a block-first pool holds whole blocks: what fits is a whole number of them
+        block = 1
+        if config.cache.host_layout == "block_first":
+            block = config.cache.host_block_pages or default_block_pages(layout.bytes_per_layer_piece)
+        fit = e.available // (page_bytes * block) * block * page_size
         return ConfigError(f"{asked}, but only {format_bytes(e.available)} is available; set a smaller "
                            f"cache.l2_tokens (what is available holds at most {fit}; 0 disables L2)",
                            "cache.l2_tokens")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Collection, Mapping
@@ -273,14 +274,17 @@ def _coerce(section: str, name: str, tp: Any, value: Any) -> Any:
     where = f"{section}.{name}"
     origin = typing.get_origin(tp)
     if origin in (dict, Mapping) or tp is dict:
+        # text naming a credential (storage.options: {sentinel_password: ...}) is not quoted back
+        secret = isinstance(value, str) and _SECRET.search(value) is not None
         if isinstance(value, str):
             try:
                 value = yaml.safe_load(value)
             except yaml.YAMLError as e:
                 problem = getattr(e, "problem", None) or type(e).__name__
-                raise ConfigError(f"{where}: must be a mapping, got {value!r} (not valid YAML: {problem})",
+                raise ConfigError(f"{where}: must be a mapping, got {'<hidden>' if secret else value!r} "
+                                  f"(not valid YAML: {problem})",
                                   where) from None
-        _require(isinstance(value, dict), where, "a mapping", value)
+        _require(isinstance(value, dict), where, "a mapping", "<hidden>" if secret else value)
         return dict(value)
     if isinstance(origin, type) and issubclass(origin, types.UnionType):  # pragma: no cover
         return value
@@ -367,6 +371,12 @@ def env_sources(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+# a credential, in a variable's name (a misspelt one too: AUTHTOKEN) or in its value (a mapping with a
+# password key); "tokens" (counts of tokens: l1_tokens) is not one
+_SECRET = re.compile(r"token(?!s)|passw|secret|credential", re.IGNORECASE)
+_URL_USERINFO = re.compile(r"(://)[^/\s]*@")  # scheme://user:password@host
+
+
 def _shown(value: str, limit: int = 80) -> str:
     """An environment value as an error message quotes it: as is when short and printable (one line),
     else its ``repr``, cut to ``limit`` characters."""
@@ -384,8 +394,10 @@ def blame_env(error: ConfigError, env: Mapping[str, str], overrides: Mapping[str
     A field's own error (``cache.l1_tokens``) or one inside it (``cache.transfer_options.blocks``) is
     blamed on the variable that set the field, unless an explicit override (a flag) replaced it. A
     section's error (an unknown section ``cachex``) is blamed on the first variable naming that section,
-    unless the config file (``file_sections``) or an override names the section too. Values of
-    ``*_token`` fields (bearer tokens) are not repeated.
+    unless the config file (``file_sections``) or an override names the section too. A value that may
+    hold a credential is not repeated: one whose variable or text names a token, password or secret
+    (``<hidden>``), and the ``user:password@`` of a URL (``<hidden>@``), so a misspelt
+    ``HICACHE_STORAGE__URI=redis://:pw@host`` does not print the password.
     """
     field = error.field
     overrides = overrides or {}
@@ -401,7 +413,9 @@ def blame_env(error: ConfigError, env: Mapping[str, str], overrides: Mapping[str
         var = next((name for key, name in sources.items() if key.partition(".")[0] == field), None)
     if var is None:
         return error
-    shown = "<hidden>" if var.lower().endswith("_token") else _shown(env[var])
+    value = env[var]
+    secret = _SECRET.search(var[len(ENV_PREFIX):]) or _SECRET.search(value)
+    shown = "<hidden>" if secret else _shown(_URL_USERINFO.sub(r"\1<hidden>@", value))
     return ConfigError(f"{var}={shown}: {error}", error.field)
 
 

@@ -78,15 +78,23 @@ class HostMemoryError(MemoryError):
 
 
 def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
-    """Linux's MemAvailable (free memory plus what it can reclaim without swapping), in bytes."""
+    """Linux's MemAvailable (free memory plus what it can reclaim without swapping), in bytes. Kernels
+    before 3.14 do not report it: then free memory plus the file cache and reclaimable slab, the same
+    sum without the kernel's reserves (free memory alone would count the page cache as taken)."""
+    fields: dict[str, int] = {}
     try:
         with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                name, _, rest = line.partition(":")
+                if name in ("MemAvailable", "MemFree", "Active(file)", "Inactive(file)", "SReclaimable"):
+                    fields[name] = int(rest.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
         return None
-    return None
+    if "MemAvailable" in fields:
+        return fields["MemAvailable"]
+    if "MemFree" not in fields:
+        return None
+    return sum(fields.values())
 
 
 def _read_int(path: Path) -> int | None:
@@ -340,6 +348,8 @@ class HostPool:
         try:
             self.buffer = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=pin_memory)
         except (RuntimeError, MemoryError) as e:  # the allocator's or the CUDA driver's "out of memory"
+            if not isinstance(e, MemoryError) and "memory" not in str(e).lower():
+                raise  # not a size problem (a CUDA start-up failure, ...): say what it is, not "too large"
             raise HostMemoryError(needed, None, (str(e).strip().splitlines() or [""])[0]) from e
         self.pinned = pin_memory
         # [P / B, L, C, B, S, H, D] over the same memory, for every layout

@@ -324,3 +324,26 @@ def test_pages_of_backups_in_flight_count_as_headroom_once_waited_for(make_cache
     finally:
         gate.set()
     cache.check_integrity()
+
+
+@pytest.mark.parametrize(("host_layout", "block_pages"), [("page_first", 0), ("layer_first", 0), ("block_first", 8)])
+def test_l2_too_large_suggests_a_size_that_fits(host_layout: str, block_pages: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal of an L2 larger than the host can spare names a cache.l2_tokens that then starts, a
+    block-first pool's whole last block included."""
+    import re
+
+    import hicache.pool as pool_mod
+    from hicache.config import ConfigError
+
+    cfg = small_config(cache={"l2_tokens": 4 * 40, "host_layout": host_layout, "host_block_pages": block_pages})
+    page_bytes = cfg.layout.to_layout().bytes_per_page
+    monkeypatch.setattr(pool_mod, "available_host_memory", lambda: 20 * page_bytes)
+    with pytest.raises(ConfigError) as e:
+        HiCache(cfg)
+    m = re.search(r"holds at most (\d+)", str(e.value))
+    assert m is not None, str(e.value)
+    fit = int(m.group(1))
+    assert fit == (16 if host_layout == "block_first" else 20) * 4
+    HiCache(small_config(cache={"l2_tokens": fit, "host_layout": host_layout,
+                                "host_block_pages": block_pages})).close()

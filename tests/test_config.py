@@ -130,3 +130,17 @@ def test_env_errors_stay_one_line_and_hide_tokens() -> None:
         load_config(env={"HICACHE_SERVER__AUTH_TOKEN": "s3cret"})
     assert str(e.value).startswith("HICACHE_SERVER__AUTH_TOKEN=<hidden>: server: unknown section")
     assert "s3cret" not in str(e.value)
+
+
+@pytest.mark.parametrize("env", [
+    {"HICACHE_STORAGE__URI": "redis://:hunter2@cache:6379"},  # a misspelt field: the URL is still shown
+    {"HICACHE_STORAGES__URL": "redis://user:hunter2@cache:6379/0"},  # a misspelt section
+    {"HICACHE_SERVE__AUTHTOKEN": "hunter2"},  # a misspelt token field
+    {"HICACHE_STORAGE__OPTIONS": "{sentinel_password: hunter2, ttl_s: [}"},  # not valid YAML
+    {"HICACHE_STORAGE__OPTIONS": "sentinel_password=hunter2"},  # not a mapping
+])
+def test_env_errors_never_repeat_a_credential(env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(env=env)
+    assert str(e.value).startswith(next(iter(env)) + "="), str(e.value)
+    assert "hunter2" not in str(e.value), str(e.value)

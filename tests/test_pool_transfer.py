@@ -273,6 +273,24 @@ def test_host_pool_allocation_failure_is_a_host_memory_error(monkeypatch: pytest
         HostPool(KVLayout(2, 1, 64, "bfloat16", 16), 4)
 
 
+def test_meminfo_available_counts_the_page_cache(tmp_path: Path) -> None:
+    """MemAvailable when the kernel reports it; before Linux 3.14 it does not, and free memory alone would
+    count the reclaimable page cache as taken (and refuse an L2 that fits): the file cache and the
+    reclaimable slab are added to it instead."""
+    from hicache.pool import _meminfo_available
+
+    f = tmp_path / "meminfo"
+    rest = ("MemFree:         1000 kB\nBuffers:          50 kB\nCached:         20000 kB\nShmem:   300 kB\n"
+            "Active(file):    8000 kB\nInactive(file):  11000 kB\nSReclaimable:     400 kB\n")
+    f.write_text("MemTotal:       64000 kB\n" + rest + "MemAvailable:   19000 kB\n")
+    assert _meminfo_available(str(f)) == 19000 * 1024
+    f.write_text("MemTotal:       64000 kB\n" + rest)
+    assert _meminfo_available(str(f)) == (1000 + 8000 + 11000 + 400) * 1024
+    f.write_text("MemTotal:       64000 kB\n")
+    assert _meminfo_available(str(f)) is None
+    assert _meminfo_available(str(tmp_path / "missing")) is None
+
+
 def test_cgroup_headroom(tmp_path: Path) -> None:
     """The memory a cgroup still grants: limit - usage + inactive file cache, the tightest of the process's
     cgroup and its ancestors; none without a limit. cgroup v2 and v1's memory controller."""

@@ -325,7 +325,15 @@ class AsyncMatchStream:
             except Exception as e:  # gRPC has ended the call
                 self._fail(await self._error(e))
                 return
-            except BaseException:  # this task was cancelled (loop shutting down): gRPC cancels the call
+            except BaseException as e:
+                task = asyncio.current_task()
+                if isinstance(e, asyncio.CancelledError) and task is not None and not task.cancelling():
+                    # Not this task: gRPC raises CancelledError from a call cancelled in this process
+                    # (the client closed, the stream cancelled by another task). The stream is over;
+                    # the waiting call gets that as its error rather than a cancellation of its own.
+                    self._fail(await self._error(e))
+                    return
+                # this task was cancelled (loop shutting down) or interrupted: gRPC cancels the call
                 self._fail(CallError(grpc.StatusCode.CANCELLED, "match stream: cancelled while writing"))
                 raise
             if m is grpc.aio.EOF:

@@ -289,14 +289,17 @@ class MatchStream:
             m = next(self._replies)
         except StopIteration:
             self._failure = CallError(grpc.StatusCode.UNAVAILABLE, "match stream ended")
+            self._q.put(self._END)  # lets gRPC's request thread, waiting for the next request, finish
             raise self._failure from None
         except grpc.RpcError as e:  # the stream failed: later calls raise the same
             self._failure = e
+            self._q.put(self._END)
             raise
         except BaseException as e:  # interrupted while the reply is due: no later call may take it
             self._failure = CallError(grpc.StatusCode.CANCELLED,
                                       f"match stream: an earlier call was interrupted ({type(e).__name__}) "
                                       "while its reply was due; the stream was cancelled")
+            self._q.put(self._END)
             self._replies.cancel()
             raise
         return MatchResult.from_pb(check_reply(m))
@@ -323,4 +326,5 @@ class MatchStream:
         else:
             if self._failure is None:
                 self._failure = CallError(grpc.StatusCode.CANCELLED, "match stream cancelled")
+            self._q.put(self._END)  # else gRPC's request thread waits for a next request forever
             self._replies.cancel()

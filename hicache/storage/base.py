@@ -33,6 +33,12 @@ from hicache.layout import KVLayout
 from hicache.pool import HostPool
 
 
+def safe_url(url: str) -> str:
+    """``url`` without its ``user:password@`` and query (which may carry passwords): for logs and errors."""
+    u = urlparse(url)
+    return u._replace(netloc=u.netloc.rsplit("@", 1)[-1], query="").geturl()
+
+
 @dataclass(frozen=True)
 class StorageContext:
     """What a backend is told about the pages it will store (mirrors SGLang's storage config)."""
@@ -106,8 +112,7 @@ class StorageBackend(abc.ABC):
     @property
     def url_safe(self) -> str:
         """The URL without credentials or query (for logs and errors)."""
-        u = urlparse(self.url)
-        return u._replace(netloc=u.netloc.rsplit("@", 1)[-1], query="").geturl()
+        return safe_url(self.url)
 
     def probe(self) -> str | None:
         """One round trip to the store: ``None`` when it answers (and, where that can be checked
@@ -155,5 +160,5 @@ def create_backend(url: str, ctx: StorageContext, **options: Any) -> StorageBack
         factory = _BACKENDS[scheme]
     except KeyError:
         known = sorted(set(_BACKENDS) | set(_LAZY))
-        raise ValueError(f"storage.url: unknown scheme {scheme!r} in {url!r}; known: {known}") from None
+        raise ValueError(f"storage.url: unknown scheme {scheme!r} in {safe_url(url)!r}; known: {known}") from None
     return factory(url, ctx, **options)

@@ -10,6 +10,8 @@ the reply of an earlier, interrupted one.
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -174,6 +176,36 @@ def test_a_broken_or_closed_stream_fails_later_calls_at_once(srv: ServerProc, pi
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_a_call_waiting_when_the_client_closes_gets_an_error_not_a_cancellation(srv: ServerProc,
+                                                                                  pipelined: bool) -> None:
+    """Closing the client cancels the stream under a call waiting for its reply: that call raises the
+    stream's end (CANCELLED), and its task is not taken for cancelled."""
+
+    async def main() -> None:
+        c = AsyncHiCacheClient(srv.target)
+        s = c.match_stream(pipelined=pipelined)
+        assert (await s.match(prompt(1), peek=True)).l1_pages == cached(1)
+        real_write = s._call.write
+        slow = np.arange(1 << 18, dtype=np.uint32)  # hashing its page keys keeps the reply due a while
+
+        async def write(req: Any) -> None:
+            await real_write(req)
+            if req.tokens == slow.tobytes():
+                await c.close()
+
+        s._call.write = write  # type: ignore[method-assign]
+        t = asyncio.create_task(s.match(slow, peek=True, return_keys=True))
+        await asyncio.wait([t], timeout=10)
+        assert t.done() and not t.cancelled()
+        e = t.exception()
+        assert isinstance(e, CallError | grpc.RpcError) and e.code() == grpc.StatusCode.CANCELLED, e
+        with pytest.raises((CallError, grpc.RpcError)):  # and so do later calls, at once
+            await asyncio.wait_for(s.match(prompt(1), peek=True), 5)
+
+    asyncio.run(main())
+
+
 class Interrupted(BaseException):
     """What a signal handler may raise in a thread blocked on a reply (KeyboardInterrupt and the like)."""
 
@@ -213,6 +245,29 @@ def test_blocking_stream_never_hands_a_call_the_reply_of_an_interrupted_one(srv:
             s.match(prompt(3), peek=True)
         with c.match_stream() as fresh:  # a new session works
             assert fresh.match(prompt(3), peek=True).l1_pages == cached(3)
+
+
+def test_blocking_streams_given_up_leave_no_thread_behind(srv: ServerProc) -> None:
+    """gRPC reads a blocking stream's requests on a thread of its own: a session that ends without
+    ``close`` (an interrupted call, an exception in its ``with`` block) must still let that thread end."""
+    with HiCacheClient(srv.target) as c:
+        with c.match_stream() as s:
+            s.match(prompt(1), peek=True)
+        time.sleep(0.2)
+        base = threading.active_count()
+        for _ in range(4):
+            s = c.match_stream()
+            s.match(prompt(1), peek=True)
+            s._replies = _InterruptFirstWait(s._replies)  # type: ignore[assignment]
+            with pytest.raises(Interrupted):
+                s.match(prompt(2), peek=True)
+            with pytest.raises(Interrupted), c.match_stream() as s:
+                s.match(prompt(1), peek=True)
+                raise Interrupted
+        end = time.monotonic() + 5
+        while threading.active_count() > base and time.monotonic() < end:
+            time.sleep(0.05)
+        assert threading.active_count() <= base, [t.name for t in threading.enumerate()]
 
 
 def test_blocking_stream_after_close_raises_call_error(srv: ServerProc) -> None:

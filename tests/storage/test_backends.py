@@ -174,3 +174,11 @@ def test_probe_says_why_a_store_does_not_answer(kind: str, open_backend, tmp_pat
     assert why and "\n" not in why
     assert "secret" not in why and "secret" not in b.url_safe
     assert b.batch_exists(page_keys(2, "probe")) == 0  # and the store still answers misses, never raises
+
+
+def test_unknown_scheme_error_does_not_repeat_credentials() -> None:
+    from hicache.storage.base import StorageContext
+
+    with pytest.raises(ValueError, match="unknown scheme") as ei:
+        create_backend("ftp://bob:hunter2@host/x?password=hunter2", StorageContext(NS, LAYOUT))
+    assert "hunter2" not in str(ei.value) and "ftp://host/x" in str(ei.value)
