@@ -48,6 +48,9 @@ class RetryPolicy:
         return min(self.max_s, self.base_s * (2 ** attempt)) * (0.5 + random.random() / 2)
 
 
+DEFAULT_RECONNECT_MAX_S = 2.0
+
+
 @dataclass(frozen=True)
 class ChannelSettings:
     target: str  # host:port
@@ -57,10 +60,18 @@ class ChannelSettings:
     client_key: str = ""
     tls: bool = False  # TLS with the system's roots
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # Cap on the channel's wait between connection attempts. gRPC's default (1 s, growing 1.6x per failed
+    # attempt up to 120 s) fails every call at once, without trying, until the current wait ends: a node
+    # back after a long outage would stay unreachable for up to two minutes.
+    reconnect_max_s: float = DEFAULT_RECONNECT_MAX_S
 
     def options(self) -> list[tuple[str, Any]]:
+        """gRPC channel arguments: message size limits both ways and the reconnect wait's cap."""
+        cap_ms = max(1, round(self.reconnect_max_s * 1000))
         return [("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.max_send_message_length", self.max_message_bytes)]
+                ("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.initial_reconnect_backoff_ms", min(1000, cap_ms)),
+                ("grpc.max_reconnect_backoff_ms", cap_ms)]
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         if not (self.tls or self.root_certificates or self.client_cert):

@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 
 from hicache.client._common import (
+    DEFAULT_RECONNECT_MAX_S,
     DEFAULT_TIMEOUT_S,
     CallError,
     ChannelSettings,
@@ -63,9 +64,10 @@ class AsyncHiCacheClient:
 
     def __init__(self, target: str, *, token: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
                  retry: RetryPolicy | None = None, root_certificates: str = "", client_cert: str = "",
-                 client_key: str = "", tls: bool = False, max_message_bytes: int = 64 << 20) -> None:
+                 client_key: str = "", tls: bool = False, max_message_bytes: int = 64 << 20,
+                 reconnect_max_s: float = DEFAULT_RECONNECT_MAX_S) -> None:
         self.settings = ChannelSettings(target, token, root_certificates, client_cert, client_key, tls,
-                                        max_message_bytes)
+                                        max_message_bytes, reconnect_max_s)
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         creds = self.settings.credentials()

@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 
 from hicache.client._common import (
+    DEFAULT_RECONNECT_MAX_S,
     DEFAULT_TIMEOUT_S,
     CallError,
     ChannelSettings,
@@ -68,14 +69,17 @@ class HiCacheClient:
     ``retry``: backoff for unary calls failing with UNAVAILABLE (when a retry is safe: see
     :class:`RetryPolicy`); ``token``: sent as ``authorization: Bearer``;
     ``root_certificates`` / ``client_cert`` / ``client_key``: PEM file paths (TLS, mTLS); ``tls``: TLS with
-    the system's roots. Calls may come from several threads at once; a :class:`MatchStream` may not.
+    the system's roots; ``reconnect_max_s``: the longest wait between connection attempts to a node that
+    went away (gRPC's own default grows to 120 s). Calls may come from several threads at once; a
+    :class:`MatchStream` may not.
     """
 
     def __init__(self, target: str, *, token: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
                  retry: RetryPolicy | None = None, root_certificates: str = "", client_cert: str = "",
-                 client_key: str = "", tls: bool = False, max_message_bytes: int = 64 << 20) -> None:
+                 client_key: str = "", tls: bool = False, max_message_bytes: int = 64 << 20,
+                 reconnect_max_s: float = DEFAULT_RECONNECT_MAX_S) -> None:
         self.settings = ChannelSettings(target, token, root_certificates, client_cert, client_key, tls,
-                                        max_message_bytes)
+                                        max_message_bytes, reconnect_max_s)
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         creds = self.settings.credentials()

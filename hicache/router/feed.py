@@ -25,7 +25,6 @@ import logging
 import grpc
 
 from hicache.client import AsyncHiCacheClient, RetryPolicy
-from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache.router.config import NodeSpec, RouterConfig
 from hicache.router.core import Router
 from hicache.router.index import Applied
@@ -38,22 +37,12 @@ def node_client(spec: NodeSpec, rc: RouterConfig) -> AsyncHiCacheClient:
     """The router's client of one node. One attempt per call: the feed has its own backoff and the node's
     circuit breaker must see every failure, not the last of several retries.
 
-    Its channel's own reconnect backoff is capped at ``reconnect_max_s`` too. gRPC's default (1 s, growing
-    1.6x per failed connection attempt up to 120 s) fails every call at once, without trying to connect,
-    until the current wait ends: after a long outage a node that came back would stay unreached (out of
-    the index, breaker open) for up to two minutes, whatever the feed's own backoff says."""
-    client = AsyncHiCacheClient(spec.address, token=rc.node_token, timeout_s=max(2.0, 2 * rc.stats_interval_s),
-                                retry=RetryPolicy(attempts=1), root_certificates=rc.node_tls_ca,
-                                client_cert=rc.node_client_cert, client_key=rc.node_client_key)
-    cap_ms = max(1, round(rc.reconnect_max_s * 1000))
-    opts = [*client.settings.options(), ("grpc.initial_reconnect_backoff_ms", min(1000, cap_ms)),
-            ("grpc.max_reconnect_backoff_ms", cap_ms)]
-    creds = client.settings.credentials()
-    # the client's own channel is unused so far (gRPC connects lazily): replace it by one with these options
-    client.channel = (grpc.aio.secure_channel(spec.address, creds, options=opts) if creds is not None
-                      else grpc.aio.insecure_channel(spec.address, options=opts))
-    client.stub = pb_grpc.HiCacheStub(client.channel)
-    return client
+    Its channel's own wait between connection attempts is capped at ``reconnect_max_s`` too, so a node
+    back after a long outage is reached as soon as the feed tries again (see ``ChannelSettings``)."""
+    return AsyncHiCacheClient(spec.address, token=rc.node_token, timeout_s=max(2.0, 2 * rc.stats_interval_s),
+                              retry=RetryPolicy(attempts=1), root_certificates=rc.node_tls_ca,
+                              client_cert=rc.node_client_cert, client_key=rc.node_client_key,
+                              reconnect_max_s=rc.reconnect_max_s)
 
 
 def _describe(e: BaseException) -> tuple[grpc.StatusCode, str]:
