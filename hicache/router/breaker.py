@@ -8,7 +8,9 @@ says the node answered and is ignored.
 States: ``closed`` (routable) -> after ``failure_threshold`` consecutive failures -> ``open`` (not
 routable) for ``cooldown_s`` -> ``half_open`` (routable again, on probation) -> the next success closes
 it, the next failure reopens it with the cooldown doubled (up to ``max_cooldown_s``). Any success closes
-it at once, even while open, and resets the cooldown: the node answered. Outcomes come from the router's
+it at once, even while open, and resets the cooldown: the node answered -- unless the call began before
+the breaker opened (a client's late report of a request served just before the node went away says
+nothing about the node now). Outcomes come from the router's
 own calls to the node (event stream, Stats polls every ``stats_interval_s``) and from clients' Complete
 reports.
 """
@@ -55,9 +57,12 @@ class CircuitBreaker:
         """May a request be routed to the node now?"""
         return self.state != "open"
 
-    def record(self, code: grpc.StatusCode) -> None:
-        """Outcome of one call on the node."""
+    def record(self, code: grpc.StatusCode, started: float | None = None) -> None:
+        """Outcome of one call on the node; ``started``: when the call began (this breaker's clock), if
+        known. A success of a call that began before the breaker opened is ignored."""
         if code == grpc.StatusCode.OK:
+            if started is not None and self.opened_at is not None and started < self.opened_at:
+                return
             self.failures = 0
             self.opened_at = None
             self.cooldown_s = self.base_cooldown_s

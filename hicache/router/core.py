@@ -229,10 +229,11 @@ class Router:
         """The routed request finished with ``code`` on its node; returns the node (None: unknown id, or
         one past its TTL)."""
         self.inflight.expire()  # a route past its TTL is gone, whether or not a Route call swept it yet
-        node = self.inflight.finish(route_id)
-        if node is not None:
-            self.nodes[node].breaker.record(code)
-        return node
+        r = self.inflight.finish(route_id)
+        if r is None:
+            return None
+        self.nodes[r.node].breaker.record(code, started=r.started)
+        return r.node
 
     # ------------------------------------------------------------------ views
     def views(self) -> list[NodeView]:

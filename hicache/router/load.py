@@ -25,6 +25,7 @@ from typing import NamedTuple
 class Inflight(NamedTuple):
     node: str
     deadline: float
+    started: float  # when it was routed (the tracker's clock)
 
 
 class InflightTracker:
@@ -42,17 +43,18 @@ class InflightTracker:
     def start(self, node: str) -> str:
         """Count one request on ``node``; returns its route id."""
         rid = f"{self._prefix}-{next(self._ids)}"
-        self._routes[rid] = Inflight(node, self._clock() + self.ttl_s)
+        now = self._clock()
+        self._routes[rid] = Inflight(node, now + self.ttl_s, now)
         self._counts[node] += 1
         return rid
 
-    def finish(self, route_id: str) -> str | None:
-        """Stop counting ``route_id``; returns its node (None: unknown or expired)."""
+    def finish(self, route_id: str) -> Inflight | None:
+        """Stop counting ``route_id``; returns its record (None: unknown or expired)."""
         r = self._routes.pop(route_id, None)
         if r is None:
             return None
         self._dec(r.node)
-        return r.node
+        return r
 
     def expire(self) -> int:
         """Drop routes past their deadline; returns how many."""

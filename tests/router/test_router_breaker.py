@@ -72,3 +72,35 @@ def test_cooldown_is_capped_and_arguments_checked() -> None:
 def test_status_numbers() -> None:
     assert status_from_number(14) is C.UNAVAILABLE and status_from_number(3) is C.INVALID_ARGUMENT
     assert status_from_number(0) is C.OK and status_from_number(999) is C.UNKNOWN
+
+
+def test_a_late_success_of_a_call_begun_before_it_opened_leaves_it_open() -> None:
+    clock = Clock()
+    b = CircuitBreaker(failure_threshold=1, cooldown_s=5, clock=clock)
+    begun = clock.t  # a request routed here, served, its Complete still on the way
+    clock.t += 1
+    b.record(C.UNAVAILABLE)  # then the node goes away
+    assert b.state == "open"
+    clock.t += 0.5
+    b.record(C.OK, started=begun)  # the late report says nothing about the node now
+    assert b.state == "open" and not b.allow()
+    b.record(C.OK, started=clock.t)  # a call begun after it opened did reach the node
+    assert b.state == "closed"
+
+
+def test_router_complete_ignores_a_late_success_once_the_node_is_out() -> None:
+    from router_helpers import node_config, router_config, tokens
+
+    from hicache.router.core import Router
+
+    clock = Clock()
+    r = Router(node_config(), router_config(["a"], breaker_failures=1))
+    r.inflight._clock = clock
+    r.nodes["a"].breaker._clock = clock
+    tb = tokens(1, 2).astype("<u4").tobytes()
+    early = r.route(tb)
+    clock.t += 1
+    r.record("a", C.UNAVAILABLE)  # the router's own call finds the node gone
+    clock.t += 0.5
+    assert r.complete(early.route_id, C.OK) == "a"  # served just before: counted, and the node stays out
+    assert r.nodes["a"].breaker.state == "open"
