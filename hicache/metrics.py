@@ -77,6 +77,9 @@ class Metrics:
                                      registry=r)
         self.prefetch_inflight_bytes = Gauge("hicache_prefetch_inflight_bytes", "Bytes of L3 prefetches in flight",
                                              registry=r)
+        self.storage_up = Gauge("hicache_storage_up", "1 when the L3 store answered the node's last probe (a "
+                                "round trip every 15 s), 0 when it did not; absent without L3",
+                                registry=r)
         # children bound once: a labels() lookup per call costs microseconds on the hot path
         self.hit = {t: self.hit_tokens.labels(t) for t in TIERS}
         self.used = {t: self.pool_used.labels(t) for t in TIERS[:2]}

@@ -60,12 +60,17 @@ def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCreden
                                        root_certificates=ca, require_client_auth=ca is not None)
 
 
+STORAGE_PROBE_S = 15.0  # how often a node checks that its L3 store answers (hicache_storage_up)
+
 class NodeServer:
     def __init__(self, config: HiCacheConfig, storage: StorageBackend | None = None,
-                 request_ttl_s: float = 600.0) -> None:
+                 request_ttl_s: float = 600.0, storage_probe_s: float = STORAGE_PROBE_S) -> None:
         self.config = config
         self._storage = storage
         self.request_ttl_s = request_ttl_s
+        self.storage_probe_s = storage_probe_s
+        self._prober: asyncio.Task[None] | None = None
+        self.storage_up: bool | None = None  # L3 answered the last probe (None: no L3, or not probed yet)
         self.port = 0
         self.metrics_port = 0
         self.server_id = uuid.uuid4().hex[:16]
@@ -132,14 +137,32 @@ class NodeServer:
             if self.health is not None:
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._expire_loop())
-        store = self.cache.storage
-        if store is not None:  # serve anyway: L3 is paused until the store answers again
-            why = await asyncio.get_running_loop().run_in_executor(None, store.probe)
-            if why is not None:
-                log.warning("L3 %s does not answer (%s); serving from L1/L2, L3 resumes when it does",
-                            store.url_safe, why)
+        if self.cache.storage is not None:  # serve anyway: L3 is paused until the store answers again
+            await self._probe_store(first=True)
+            self._prober = asyncio.create_task(self._probe_loop())
         log.info("hicache serve: %s on %s:%d (pool %s, %d L1 pages, layout %s)", self.server_id, s.host, self.port,
                  self.shared.kind if self.shared else "private", cfg.l1_pages, cfg.layout.to_layout().describe())
+
+    async def _probe_store(self, first: bool = False) -> None:
+        """One round trip to L3 (on a worker thread): sets ``hicache_storage_up`` and logs each change."""
+        assert self.cache is not None and self.cache.storage is not None
+        store = self.cache.storage
+        why = await asyncio.get_running_loop().run_in_executor(None, store.probe)
+        was, self.storage_up = self.storage_up, why is None
+        self.cache.metrics.storage_up.set(1 if self.storage_up else 0)
+        if why and (first or was):
+            log.warning("L3 %s does not answer (%s); serving from L1/L2, L3 resumes when it does",
+                        store.url_safe, why)
+        elif not why and not first and not was:
+            log.info("L3 %s answers again", store.url_safe)
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.storage_probe_s)
+            try:
+                await self._probe_store()
+            except Exception:  # a bug in a backend's probe must not end the loop
+                log.exception("L3 probe failed")
 
     async def _expire_loop(self) -> None:
         period = max(0.5, min(60.0, self.request_ttl_s / 4))
@@ -159,10 +182,11 @@ class NodeServer:
         if self.health is not None:
             await self.health.enter_graceful_shutdown()
         self.hub.close()
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+        for task in (self._reaper, self._prober):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.server.stop(grace)
         self.cache.remove_listener(self.hub.on_tree_event)
         released = await self.servicer.release_all()

@@ -106,6 +106,47 @@ def test_a_store_that_does_not_answer_is_named_at_start_and_serving_goes_on(
         assert c.match(tokens, peek=True).l1_pages == 4  # L1/L2 serve as usual
 
 
+def test_storage_up_follows_the_store(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``hicache_storage_up`` is 0 while the store cannot be reached and turns 1 once it can, without a
+    restart; each change is logged once."""
+    import asyncio
+    import logging
+
+    from hicache.service.server import NodeServer
+
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"x")  # a directory cannot be created under a regular file: the store is down
+    cfg = config_from_dict({
+        "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16", "page_size": 16},
+        "cache": {"l1_tokens": 16 * 64, "l2_tokens": 16 * 64},
+        "storage": {"url": f"file://{blocker}/store"},
+        "serve": {"port": 0, "metrics_port": 0, "shared_pool": False, "shutdown_grace_s": 1.0},
+    })
+
+    async def main() -> None:
+        node = NodeServer(cfg, storage_probe_s=0.05)
+        with caplog.at_level(logging.INFO, logger="hicache.service"):
+            await node.start()
+            try:
+                assert node.cache is not None
+                up = lambda: node.cache.metrics.registry.get_sample_value("hicache_storage_up")  # noqa: E731
+                assert up() == 0 and node.storage_up is False
+                await asyncio.sleep(0.2)
+                assert up() == 0
+                blocker.unlink()  # now the store's folder can be made
+                for _ in range(100):
+                    if up() == 1:
+                        break
+                    await asyncio.sleep(0.02)
+                assert up() == 1 and node.storage_up is True
+            finally:
+                await node.stop()
+        text = caplog.text
+        assert text.count("does not answer") == 1 and text.count("answers again") == 1
+
+    asyncio.run(main())
+
+
 def test_concurrency_limit_metrics_health_reflection(server_factory: Callable[..., ServerProc]) -> None:
     srv = server_factory(serve={"max_concurrency": 1})
     toks = np.arange(4 * PS, dtype=np.uint32)
