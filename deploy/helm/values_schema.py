@@ -160,7 +160,7 @@ def values_schema() -> Schema:
                 "priorityClassName": string(), "runtimeClassName": string(), "hostIPC": BOOL,
                 "shm": obj({"sizeLimit": string(pattern=r"^$|^[0-9]+(\.[0-9]+)?(k|Ki|Mi|Gi|Ti|M|G|T)?$"),
                             "hostPath": string(pattern=r"^$|^/")}),
-                "resources": RESOURCES,
+                "memoryOverhead": QUANTITY, "resources": RESOURCES,
                 "service": obj({"type": SERVICE_TYPE, "internalTrafficPolicy": enum(["Local", "Cluster"]),
                                 "annotations": LABELS}),
                 "podAnnotations": LABELS, "podLabels": LABELS, "updateStrategy": ANY_OBJECT,

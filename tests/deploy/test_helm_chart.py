@@ -11,7 +11,7 @@ import json
 import subprocess
 import sys
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import parse_qsl, urlparse
 
 import pytest
 
@@ -38,7 +38,9 @@ SMALL = {"layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": 
 CASES: dict[str, dict[str, Any]] = {
     "default": {},
     "cpu-statefulset": {"node": {"kind": "statefulset", "replicas": 3, "gpu": {"enabled": False}}, "config": SMALL},
-    "cpu-no-router-no-l3": {"node": {"gpu": {"enabled": False}}, "router": {"enabled": False},
+    # the default config on a CPU node: L1 (8 GiB) is host memory too, 42 GiB in all
+    "cpu-no-router-no-l3": {"node": {"gpu": {"enabled": False}, "resources": {"limits": {"memory": "42Gi"}}},
+                            "router": {"enabled": False},
                             "redis": {"enabled": False}, "metrics": {"enabled": False}},
     "redis-cluster-auth-tls": {
         "auth": {"enabled": True},
@@ -223,6 +225,25 @@ def test_secrets_only_in_the_secret() -> None:
         assert router_env["HICACHE_ROUTER__NODE_TOKEN"] == router_env["HICACHE_ROUTER__AUTH_TOKEN"] == token
 
 
+def test_storage_credentials_stay_out_of_the_configmap() -> None:
+    """Backend options that are credentials (the names hicache.config hides in its errors) belong in the
+    storage URL's query, which the Secret holds; in config.storage.options they would land in the ConfigMap."""
+    for key in ("sentinel_password", "Password", "secret_key", "access_token", "credentials_file"):
+        with pytest.raises(helm.HelmRenderError, match=f"config.storage.options.{key} looks like a credential"):
+            render({"config": {"storage": {"options": {key: "s3cr3t-v4lue"}}}})
+    render({"config": {"storage": {"options": {"ttl_s": 60, "max_connections": 8}}}})
+    url = "redis+sentinel://10.0.0.5:26379/mymaster?sentinel_password=s3ntinelpw&ttl_s=60"
+    r = render({"redis": {"enabled": False}, "externalStorage": {"url": url}})
+    assert "s3ntinelpw" not in json.dumps([d for d in r.docs if d["kind"] != "Secret"])
+    env = container_env(r, node_container(r))
+    cfg = config_from_dict(merge(r.config_data(), env_overrides(env)))
+    assert cfg.storage.url == url  # the node reads it from the Secret; the redis backend parses its query
+    from hicache.storage.redis_options import RedisOptions
+
+    opts, rest = RedisOptions.parse(dict(parse_qsl(urlparse(cfg.storage.url).query)), {})
+    assert opts.sentinel_password == "s3ntinelpw" and rest == {}
+
+
 def test_generated_secrets_are_random_and_consistent(rendered: dict[str, Rendered]) -> None:
     r = rendered["redis-cluster-auth-tls"]
     data = r.secret_data()
@@ -298,7 +319,8 @@ def test_probes(rendered: dict[str, Rendered], case: str) -> None:
         assert c["livenessProbe"]["grpc"]["service"] == ""
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 120
     grace = pod_spec(r.component("node"))["terminationGracePeriodSeconds"]
-    assert grace >= config_from_dict(r.config_data()).serve.shutdown_grace_s
+    # the RPC drain and the L3 flush, each up to shutdown_grace_s, then the writeback threads (test_helm_sizing)
+    assert grace >= 2 * config_from_dict(r.config_data()).serve.shutdown_grace_s + 20
     if r.kinds("Deployment"):
         rc = container(r.component("router"))
         assert {"startupProbe", "livenessProbe", "readinessProbe"} <= rc.keys()
@@ -343,7 +365,7 @@ def test_prometheus_annotations_point_at_metrics(rendered: dict[str, Rendered]) 
 
 def test_config_change_rolls_the_pods() -> None:
     a = render({})
-    b = render({"config": {"cache": {"l2_tokens": 1 << 20}}})
+    b = render({"config": {"cache": {"l2_tokens": 1 << 17}}})
     def checksum(r: Rendered) -> str:
         return str(r.component("node")["spec"]["template"]["metadata"]["annotations"]["checksum/config"])
     assert checksum(a) != checksum(b)

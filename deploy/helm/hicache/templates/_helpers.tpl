@@ -185,13 +185,60 @@ app.kubernetes.io/component: {{ .component }}
 {{- toYaml $c }}
 {{- end }}
 
-{{/* Bytes of the L1 pool: l1 pages x (page_size x heads x head_dim x dtype bytes x K/V x layers). */}}
-{{- define "hicache.l1Bytes" -}}
-{{- $l := .Values.config.layout }}
-{{- $size := dict "bfloat16" 2 "float16" 2 "float32" 4 "float8_e4m3fn" 1 "float8_e5m2" 1 "int8" 1 "uint8" 1 }}
-{{- $kv := ternary 1 2 (eq $l.attention "mla") }}
-{{- $pages := div (int .Values.config.cache.l1_tokens) (int $l.page_size) }}
-{{- mul $pages (int $l.page_size) (int $l.num_kv_heads) (int $l.head_dim) (int (index $size $l.dtype)) $kv (int $l.num_layers) }}
+{{/* Sizes in bytes of the node's pools, computed as hicache does (hicache.layout.KVLayout,
+hicache.pool.HostPool), as JSON: pageBytes (one page, every layer, K and V or the MLA latent), l1Bytes
+(l1_tokens // page_size pages) and l2Bytes (l2_tokens // page_size pages, at least one: the node allocates
+one page even with L2 off; a block-first L2 holds whole blocks, a layer-first one is a single block). */}}
+{{- define "hicache.poolBytes" -}}
+{{- $l := .Values.config.layout | default dict }}
+{{- $c := .Values.config.cache | default dict }}
+{{- $elem := dict "float32" 4 "float16" 2 "bfloat16" 2 "float8_e4m3fn" 1 "float8_e5m2" 1 "int8" 1 "uint8" 1 }}
+{{- $ps := int ($l.page_size | default 64) }}
+{{- $piece := mul $ps (int ($l.num_kv_heads | default 8)) (int ($l.head_dim | default 128)) (int (index $elem ($l.dtype | default "bfloat16"))) }}
+{{- $kv := ternary 1 2 (eq ($l.attention | default "mha") "mla") }}
+{{- $page := mul $piece $kv (int ($l.num_layers | default 32)) }}
+{{- $l1pages := div (int ($c.l1_tokens | default 65536)) $ps }}
+{{- $l2tokens := ternary $c.l2_tokens 262144 (hasKey $c "l2_tokens") }}
+{{- $l2pages := max 1 (div (int $l2tokens) $ps) }}
+{{- $block := 1 }}
+{{- $hostLayout := $c.host_layout | default "page_first" }}
+{{- if eq $hostLayout "layer_first" }}
+{{- $block = $l2pages }}
+{{- else if eq $hostLayout "block_first" }}
+{{- $block = int ($c.host_block_pages | default 0) }}
+{{- if not $block }}
+{{- /* hicache.pool.default_block_pages: the fewest pages (a power of two, at most 64) whose piece run reaches 64 KiB */}}
+{{- $block = 1 }}
+{{- range until 6 }}{{ if lt (mul $block $piece) 65536 }}{{ $block = mul $block 2 }}{{ end }}{{ end }}
+{{- end }}
+{{- end }}
+{{- $l2 := mul (div (add $l2pages $block -1) $block) $block $page }}
+{{- toJson (dict "pageBytes" $page "l1Bytes" (mul $l1pages $page) "l2Bytes" $l2) }}
+{{- end }}
+
+{{/* A Kubernetes quantity ("40Gi", "42949672960", "45G", or a number) in bytes, as a float. */}}
+{{- define "hicache.quantityBytes" -}}
+{{- if kindIs "string" . }}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" . }}
+{{- $unit := dict "" 1.0 "m" 0.001 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18
+    "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0
+    "Ei" 1152921504606846976.0 }}
+{{- mulf (float64 $num) (index $unit (trimPrefix $num .)) }}
+{{- else }}
+{{- float64 . }}
+{{- end }}
+{{- end }}
+
+{{/* Bytes as "34.0 GiB". */}}
+{{- define "hicache.gib" -}}{{ printf "%.1f GiB" (divf (float64 .) 1073741824.0) }}{{- end }}
+
+{{/* Host memory one node pod needs, as JSON: l2 (pinned host memory), l1 (on CPU nodes, where the L1 pool
+is host memory too: /dev/shm when shared), overhead (node.memoryOverhead) and their total, in bytes. */}}
+{{- define "hicache.nodeMemory" -}}
+{{- $p := include "hicache.poolBytes" . | fromJson }}
+{{- $l1 := ternary 0.0 (float64 $p.l1Bytes) .Values.node.gpu.enabled }}
+{{- $over := include "hicache.quantityBytes" (.Values.node.memoryOverhead | default "0") | float64 }}
+{{- toJson (dict "l2" (float64 $p.l2Bytes) "l1" $l1 "overhead" $over "total" (addf $p.l2Bytes $l1 $over)) }}
 {{- end }}
 
 {{/* /dev/shm size: given, else the CPU L1 pool (it lives there when shared) + 1 GiB, or 1 GiB on GPU nodes. */}}
@@ -199,9 +246,28 @@ app.kubernetes.io/component: {{ .component }}
 {{- if .Values.node.shm.sizeLimit }}{{ .Values.node.shm.sizeLimit }}
 {{- else }}
 {{- $gib := 1073741824 }}
-{{- $pool := ternary 0 (int64 (include "hicache.l1Bytes" .)) .Values.node.gpu.enabled }}
+{{- $pool := ternary 0 (int64 (include "hicache.poolBytes" . | fromJson).l1Bytes) .Values.node.gpu.enabled }}
 {{- printf "%dMi" (div (add $pool $gib 1048575) 1048576) }}
 {{- end }}
+{{- end }}
+
+{{/* Whether the node shares its L1 pool (config.serve.shared_pool, on unless set false). */}}
+{{- define "hicache.sharedPool" -}}
+{{- $serve := .Values.config.serve | default dict }}
+{{- if or (not (hasKey $serve "shared_pool")) $serve.shared_pool }}true{{ end }}
+{{- end }}
+
+{{/* Seconds the node may take to stop after SIGTERM (hicache.service.server.NodeServer.stop): in-flight RPCs
+get up to config.serve.shutdown_grace_s (a client's open MatchStream holds it that long), then the L3 flush
+gets up to as long again, then the writeback threads up to 10 s each to finish the batch they are writing. */}}
+{{- define "hicache.node.stopSeconds" -}}
+{{- add (mul 2 (int (ceil (include "hicache.node.grace" .)))) 20 }}
+{{- end }}
+
+{{/* config.serve.shutdown_grace_s, hicache's default (30) when not given. */}}
+{{- define "hicache.node.grace" -}}
+{{- $serve := .Values.config.serve | default dict }}
+{{- ternary $serve.shutdown_grace_s 30 (hasKey $serve "shutdown_grace_s") }}
 {{- end }}
 
 {{/* Checks across values that the schema cannot express; fails the render with a message naming the values. */}}
@@ -217,6 +283,12 @@ app.kubernetes.io/component: {{ .component }}
 {{- if and (eq (($layout.attention | default "mha") | toString) "mla") (ne (int ($layout.num_kv_heads | default 8)) 1) }}
 {{- fail "config.layout.num_kv_heads must be 1 when config.layout.attention is mla" }}
 {{- end }}
+{{- range $k, $_ := ((.Values.config.storage | default dict).options | default dict) }}
+{{- /* the names hicache.config treats as credentials (a token, a password, a secret) */}}
+{{- if regexMatch "(?i)passw|secret|credential|token($|[^s])" $k }}
+{{- fail (printf "config.storage.options.%s looks like a credential, and config goes into the ConfigMap: put it in the storage URL's query instead (externalStorage.url, or externalStorage.existingSecret: kept in a Secret), e.g. redis+sentinel://host:26379/mymaster?%s=..." $k $k) }}
+{{- end }}
+{{- end }}
 {{- $model := .Values.config.model | default dict }}
 {{- if ge (int ($model.tp_rank | default 0)) (int ($model.tp_size | default 1)) }}
 {{- fail (printf "config.model.tp_rank (%v) must be < config.model.tp_size (%v)" $model.tp_rank $model.tp_size) }}
@@ -224,7 +296,22 @@ app.kubernetes.io/component: {{ .component }}
 {{- if and .Values.metrics.enabled (eq (int .Values.metrics.port) (int .Values.node.port)) }}
 {{- fail "metrics.port and node.port must differ" }}
 {{- end }}
-{{- if lt (int .Values.node.terminationGracePeriodSeconds) (int (.Values.config.serve | default dict).shutdown_grace_s) }}
-{{- fail "node.terminationGracePeriodSeconds must be >= config.serve.shutdown_grace_s (SIGTERM flushes L3 writebacks)" }}
+{{- $stop := int (include "hicache.node.stopSeconds" .) }}
+{{- if lt (int .Values.node.terminationGracePeriodSeconds) $stop }}
+{{- fail (printf "node.terminationGracePeriodSeconds (%v) must be at least %d: on SIGTERM the node gives in-flight RPCs up to config.serve.shutdown_grace_s (%v s), then the L3 flush up to as long again, then its writeback threads up to 20 s; Kubernetes kills it after terminationGracePeriodSeconds, losing the writebacks not flushed" .Values.node.terminationGracePeriodSeconds $stop (include "hicache.node.grace" .)) }}
+{{- end }}
+{{- $limit := (.Values.node.resources.limits | default dict).memory }}
+{{- if $limit }}
+{{- $mem := include "hicache.nodeMemory" . | fromJson }}
+{{- if lt (include "hicache.quantityBytes" $limit | float64) $mem.total }}
+{{- $l2tokens := ternary (.Values.config.cache | default dict).l2_tokens 262144 (hasKey (.Values.config.cache | default dict) "l2_tokens") }}
+{{- fail (printf "node.resources.limits.memory (%v) is below what the node needs: L2 %s (config.cache.l2_tokens=%d)%s + node.memoryOverhead %s = %s. hicache serve refuses to start when L2 does not fit in the container's memory; raise node.resources.limits.memory to at least %.0fGi (and node.resources.requests.memory with it), or lower config.cache.l2_tokens" (ternary $limit (int64 $limit) (kindIs "string" $limit)) (include "hicache.gib" $mem.l2) (int64 $l2tokens) (ternary "" (printf " + L1 %s (a CPU node's L1 pool is host memory)" (include "hicache.gib" $mem.l1)) .Values.node.gpu.enabled) (include "hicache.gib" $mem.overhead) (include "hicache.gib" $mem.total) (ceil (divf $mem.total 1073741824.0))) }}
+{{- end }}
+{{- end }}
+{{- if and (not .Values.node.gpu.enabled) (include "hicache.sharedPool" .) .Values.node.shm.sizeLimit (not .Values.node.shm.hostPath) }}
+{{- $l1 := (include "hicache.poolBytes" . | fromJson).l1Bytes }}
+{{- if lt (include "hicache.quantityBytes" .Values.node.shm.sizeLimit | float64) (float64 $l1) }}
+{{- fail (printf "node.shm.sizeLimit (%s) cannot hold the shared L1 pool (%s, config.cache.l1_tokens=%d): on a CPU node it is a /dev/shm segment, and the node would die of SIGBUS filling it; leave node.shm.sizeLimit empty (the pool + 1 GiB) or make it at least %.0fMi" .Values.node.shm.sizeLimit (include "hicache.gib" $l1) (int64 ((.Values.config.cache | default dict).l1_tokens | default 65536)) (ceil (divf $l1 1048576.0))) }}
+{{- end }}
 {{- end }}
 {{- end }}
