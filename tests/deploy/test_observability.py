@@ -144,6 +144,9 @@ def test_alerts_fire_where_they_should(tmp_path: Path) -> None:
         S(f'hicache_storage_errors_total{{{m},pod="n1"}}', "0x40"),
         S('hicache_storage_errors_total{namespace="other",pod="x"}', "0+5x40"),
         S(f'hicache_storage_corrupt_pages_total{{{m},pod="n0"}}', "0x10 3x30"),
+        S(f'hicache_storage_up{{{m},pod="n0"}}', "1x5 0x40"),
+        S(f'hicache_storage_up{{{m},pod="n1"}}', "1x45"),
+        S('hicache_storage_up{namespace="other",pod="x"}', "0x45"),
         S(f'hicache_writeback_dropped_pages_total{{{m},pod="n0"}}', "0x40"),
         S(f'hicache_writeback_dropped_pages_total{{{m},pod="n1"}}', "0+1x40"),
         S(f'hicache_rpc_rejected_total{{{m},pod="n1"}}', "0+1x40"),
@@ -169,6 +172,8 @@ def test_alerts_fire_where_they_should(tmp_path: Path) -> None:
     tests = [
         alert("HicacheL3Errors", "5m"),  # pending: it must last 10 minutes
         alert("HicacheL3Errors", "20m", {**n0, "severity": "warning"}),
+        alert("HicacheL3Down", "8m"),  # pending: down since minute 6, it must last 5 minutes
+        alert("HicacheL3Down", "20m", {**n0, "severity": "warning"}),
         alert("HicacheL3CorruptPages", "5m"),
         alert("HicacheL3CorruptPages", "12m", {**n0, "severity": "warning"}),
         alert("HicacheL3CorruptPages", "40m"),  # no new damage in the last 15 minutes
