@@ -6,7 +6,9 @@
         k[page].copy_(...)                 # write a page the server allocated to your request
 
 CPU: the POSIX shared memory segment the server created (same host only). CUDA: the server's allocation
-rebuilt from its CUDA IPC handle (same host, a CUDA build of torch, the same GPU visible).
+rebuilt from its CUDA IPC handle (same host, a CUDA build of torch, the same GPU visible). "Same host" is
+the same kernel (:mod:`hicache.hostid`), so containers and pods of one machine qualify whatever their
+hostnames; they still need to see the node's ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from types import TracebackType
 import torch
 
 from hicache.client.types import PoolInfo
+from hicache.hostid import host_id
 from hicache.layout import KVLayout
 from hicache.pool import DevicePool
 
@@ -62,7 +65,12 @@ def attach_pool(info: PoolInfo) -> AttachedPool:
     kind = m.WhichOneof("handle")
     if kind is None:
         raise ValueError("attach: the reply carries no pool handle (GetPoolInfo, or the pool is not shared)")
-    if m.hostname and m.hostname != socket.gethostname():
+    here = host_id()
+    if m.host_id and here:  # the same machine whatever the containers' hostnames
+        if m.host_id != here:
+            raise ValueError(f"attach: the pool lives on another machine (host {m.hostname!r}, boot id "
+                             f"{m.host_id}, this is {here}); use ReadPages / WritePages from another host")
+    elif m.hostname and m.hostname != socket.gethostname():
         raise ValueError(f"attach: the pool lives on host {m.hostname!r}, this is {socket.gethostname()!r}; "
                          "use ReadPages / WritePages from another host")
     need = info.num_pages * info.layout.bytes_per_page

@@ -35,6 +35,7 @@ import numpy as np
 from hicache.cache import CacheFullError, HiCache, LoadResult, PinInfo, Request
 from hicache.cache_types import MultiHandle
 from hicache.config import ServeConfig
+from hicache.hostid import host_id
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache.service.decode import Undecodable
@@ -504,7 +505,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                                describe=lay.describe(), bytes_per_page=lay.bytes_per_page),
             num_pages=self.num_pages, device=str(self.cache.device_pool.device), model=ns.model,
             revision=ns.revision, tp_rank=ns.tp_rank, tp_size=ns.tp_size, namespace_digest=ns.digest,
-            host_pid=os.getpid(), hostname=socket.gethostname(),
+            host_pid=os.getpid(), hostname=socket.gethostname(), host_id=host_id(),
         )
 
     @unary

@@ -37,3 +37,28 @@ def test_writer_and_reader_share_pages(server: ServerProc) -> None:
 def test_other_prompt_misses(server: ServerProc) -> None:
     r = run_peer("read", server.target, 8, 16 * 4)
     assert r["l1_pages"] == 0 and r["pages"] == []
+
+
+def test_attach_tells_machines_apart_by_boot_id_not_hostname() -> None:
+    """Pods of one machine have hostnames of their own: the kernel's boot id decides whether the pool is
+    here. A pool on another machine is refused before any mapping is tried."""
+    import pytest
+
+    from hicache.client.attach import attach_pool
+    from hicache.client.types import PoolInfo
+    from hicache.hostid import host_id
+    from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
+
+    here = host_id()
+    if not here:
+        pytest.skip("no kernel boot id on this system")
+    layout = pb.KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", page_size=4, attention="mha")
+
+    def info(hostname: str, hid: str) -> PoolInfo:
+        return PoolInfo.from_pb(pb.PoolInfo(layout=layout, num_pages=2, device="cpu", hostname=hostname,
+                                            host_id=hid, shm=pb.SharedMemoryHandle(name="hicache-none-here")))
+
+    with pytest.raises(ValueError, match="segment 'hicache-none-here' not found"):  # host check passed
+        attach_pool(info("another-pod", here))
+    with pytest.raises(ValueError, match="another machine"):
+        attach_pool(info("another-pod", "0" * 8 + here[8:]))

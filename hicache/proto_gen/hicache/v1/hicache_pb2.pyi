@@ -381,7 +381,7 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("layout", "num_pages", "device", "model", "revision", "tp_rank", "tp_size", "namespace_digest", "shm", "cuda_ipc", "host_pid", "hostname")
+    __slots__ = ("layout", "num_pages", "device", "model", "revision", "tp_rank", "tp_size", "namespace_digest", "shm", "cuda_ipc", "host_pid", "hostname", "host_id")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +394,7 @@ class PoolInfo(_message.Message):
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     HOST_PID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     num_pages: int
     device: str
@@ -406,7 +407,8 @@ class PoolInfo(_message.Message):
     cuda_ipc: CudaIpcHandle
     host_pid: int
     hostname: str
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_pages: _Optional[int] = ..., device: _Optional[str] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., namespace_digest: _Optional[bytes] = ..., shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., host_pid: _Optional[int] = ..., hostname: _Optional[str] = ...) -> None: ...
+    host_id: str
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., num_pages: _Optional[int] = ..., device: _Optional[str] = ..., model: _Optional[str] = ..., revision: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., namespace_digest: _Optional[bytes] = ..., shm: _Optional[_Union[SharedMemoryHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., host_pid: _Optional[int] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class ReadPagesRequest(_message.Message):
     __slots__ = ("namespace", "tokens", "token_ids", "max_pages")
