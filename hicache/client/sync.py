@@ -18,6 +18,7 @@ the server's status code and message; a refusal inside a ``match_stream`` sessio
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -310,7 +311,8 @@ class MatchStream:
 
     def close(self) -> None:
         """End the request side of the stream and wait for the server to end its side (at once when the
-        stream has already failed). Later calls raise :class:`CallError`."""
+        stream has already failed). Never raises: a stream the server ended with an error (cancelled at
+        its shutdown) is closed all the same. Later calls raise :class:`CallError`."""
         failed = self._failure is not None
         if not failed:
             self._failure = CallError(grpc.StatusCode.FAILED_PRECONDITION, "match stream closed")
@@ -318,8 +320,9 @@ class MatchStream:
         if failed:
             self._replies.cancel()
             return
-        for _ in self._replies:
-            pass
+        with contextlib.suppress(grpc.RpcError):
+            for _ in self._replies:
+                pass
 
     def __enter__(self) -> MatchStream:
         return self

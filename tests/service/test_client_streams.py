@@ -278,3 +278,15 @@ def test_blocking_stream_after_close_raises_call_error(srv: ServerProc) -> None:
         with pytest.raises(CallError) as ei:  # not a bare StopIteration
             s.match(prompt(4), peek=True)
         assert "closed" in ei.value.details()
+
+
+def test_blocking_stream_closes_quietly_after_the_server_ended_it(
+        server_factory: Callable[..., ServerProc]) -> None:
+    s = server_factory(serve={"shutdown_grace_s": 0.3})
+    with HiCacheClient(s.target) as c:
+        ms = c.match_stream()
+        assert ms.match(prompt(0), peek=True).l1_pages == 0
+        s.terminate(30)  # the node cancels the open stream once its grace is over
+        ms.close()  # nothing to report: the session is over either way
+        with pytest.raises(CallError):
+            ms.match(prompt(0), peek=True)
