@@ -22,10 +22,7 @@ bytes, and a minimum number of hits per tier was verified, so the test cannot pa
 
 from __future__ import annotations
 
-import faulthandler
-import hashlib
 import random
-import sys
 import threading
 import time
 import traceback
@@ -38,6 +35,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from soakkit import Counters, PageModel, run_threads
 
 from hicache.cache import CacheFullError, HiCache, Request
 from hicache.config import config_from_dict
@@ -55,56 +53,19 @@ SEED = 20240611
 
 
 # ---------------------------------------------------------------------------------------------- the model
-_expected: dict[tuple[str, bytes], np.ndarray] = {}
-
-
-def expected_page(tenant: str, prefix: bytes) -> np.ndarray:
-    """The K/V a deterministic model computes for the last page of ``prefix`` (uint32 LE tokens of whole
-    pages): ``[LAYERS, 2, PS, HEADS, DIM]`` float32, a function of the tenant and of every token up to
-    the page's end, nothing else."""
-    k = (tenant, prefix)
-    v = _expected.get(k)
-    if v is None:
-        seed = int.from_bytes(hashlib.blake2b(tenant.encode() + b"\0" + prefix, digest_size=8).digest(), "little")
-        v = np.random.default_rng(seed).standard_normal((LAYERS, 2, PS, HEADS, DIM), dtype=np.float32)
-        _expected[k] = v  # a racing thread computes the same value
-    return v
-
-
-def page_prefix(tokens: np.ndarray, page: int) -> bytes:
-    return tokens[: (page + 1) * PS].astype("<u4").tobytes()
-
-
-def expected_pages(tenant: str, tokens: np.ndarray, first: int, n: int) -> np.ndarray:
-    """Expected K/V of pages ``first..first+n-1`` of ``tokens``: ``[n, LAYERS, 2, PS, HEADS, DIM]``."""
-    if n == 0:
-        return np.empty((0, LAYERS, 2, PS, HEADS, DIM), dtype=np.float32)
-    return np.stack([expected_page(tenant, page_prefix(tokens, p)) for p in range(first, first + n)])
+MODEL = PageModel((LAYERS, 2, PS, HEADS, DIM), np.float32)
+expected_page, expected_pages, page_prefix = MODEL.page, MODEL.pages, MODEL.prefix
 
 
 def write_pages(cache: HiCache, pages: np.ndarray, tenant: str, tokens: np.ndarray, first: int) -> None:
     """What the engine's forward pass does: fill the L1 pages it was allocated with the pages' K/V."""
-    want = torch.from_numpy(expected_pages(tenant, tokens, first, len(pages)))
-    idx = torch.from_numpy(np.asarray(pages, dtype=np.int64))
-    for layer, kv in enumerate(cache.device_pool.kv):
-        for c, t in enumerate(kv):
-            t[idx] = want[:, layer, c]
+    MODEL.write(cache.device_pool.kv, pages, tenant, tokens, first)
 
 
 def check_l1(cache: HiCache, pages: np.ndarray, tenant: str, tokens: np.ndarray, what: str,
              layers: range = range(LAYERS)) -> None:
     """Assert L1 pages ``pages`` (pages ``0..`` of ``tokens``) hold the model's K/V in ``layers``."""
-    if len(pages) == 0:
-        return
-    want = expected_pages(tenant, tokens, 0, len(pages)).view(np.uint32)
-    idx = torch.from_numpy(np.asarray(pages, dtype=np.int64))
-    for layer in layers:
-        for c in range(2):
-            got = cache.device_pool.kv[layer][c][idx].numpy().view(np.uint32)
-            bad = np.flatnonzero((got != want[:, layer, c]).reshape(len(pages), -1).any(axis=1))
-            assert len(bad) == 0, (f"{what}: page(s) {bad.tolist()} of {len(pages)} (L1 pages "
-                                   f"{np.asarray(pages)[bad].tolist()}) layer {layer} {'KV'[c]} differ from "
-                                   f"what the model computes (tenant {tenant!r})")
+    MODEL.check(cache.device_pool.kv, pages, tenant, tokens, what, layers)
 
 
 def host_page_array(pool: HostPool, page: int) -> np.ndarray:
@@ -140,10 +101,9 @@ class Prompts:
 
 # ---------------------------------------------------------------------------------------------- bookkeeping
 @dataclass
-class Tally:
+class Tally(Counters):
     """What the engines saw (summed over threads under ``lock``)."""
 
-    lock: threading.Lock = field(default_factory=threading.Lock)
     lookups: int = 0
     lookup_pages: int = 0
     hit_l1: int = 0  # pages per tier as match reported them (what the hit counters count)
@@ -166,10 +126,6 @@ class Tally:
     audited_pages: int = 0
     keys: dict[bytes, tuple[str, bytes]] = field(default_factory=dict)  # L3 page key -> (tenant, prefix)
 
-    def add(self, **d: int) -> None:
-        with self.lock:
-            for k, v in d.items():
-                setattr(self, k, getattr(self, k) + v)
 
 
 class Soak:
@@ -307,18 +263,8 @@ class Soak:
             self.stop.set()
 
     def run(self, seconds: float) -> None:
-        threads = [threading.Thread(target=self.engine, args=(i,), name=f"engine-{i}") for i in range(THREADS)]
-        threads.append(threading.Thread(target=self.maintenance, name="maintenance"))
-        for th in threads:
-            th.start()
-        self.stop.wait(seconds)
-        self.stop.set()
-        for th in threads:
-            th.join(timeout=30)
-        if any(th.is_alive() for th in threads):
-            faulthandler.dump_traceback(file=sys.stderr)
-            pytest.fail("a thread did not stop within 30 s (deadlock?); stacks above")
-        assert not self.errors, "\n".join(self.errors)
+        run_threads([*((f"engine-{i}", lambda i=i: self.engine(i)) for i in range(THREADS)),
+                     ("maintenance", self.maintenance)], self.stop, self.errors, seconds)
 
     # ------------------------------------------------------------------ audits
     def tree_nodes(self) -> Iterator[tuple[str, bytes, TreeNode]]:

@@ -21,7 +21,6 @@ cached prefix of a sample of the prompts reads back right, and so do the shared 
 
 from __future__ import annotations
 
-import hashlib
 import random
 import threading
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-import torch
+from soakkit import Counters, PageModel, run_threads
 
 from hicache.client import AttachedPool, HiCacheClient
 
@@ -50,53 +49,18 @@ SEED = 7
 
 
 # ---------------------------------------------------------------------------------------------- the model
-_expected: dict[tuple[str, bytes], np.ndarray] = {}
-
-
-def expected_page(tenant: str, prefix: bytes) -> np.ndarray:
-    """K/V (float16 ``[L, 2, S, H, D]``) of the last page of ``prefix`` (uint32 LE tokens of whole pages):
-    a function of the tenant and of every token up to the page's end, nothing else."""
-    k = (tenant, prefix)
-    v = _expected.get(k)
-    if v is None:
-        seed = int.from_bytes(hashlib.blake2b(tenant.encode() + b"\0" + prefix, digest_size=8).digest(), "little")
-        v = np.random.default_rng(seed).standard_normal(PAGE_SHAPE, dtype=np.float32).astype(np.float16)
-        _expected[k] = v
-    return v
-
-
-def expected_pages(tenant: str, tokens: np.ndarray, first: int, n: int) -> np.ndarray:
-    """``[n, L, 2, S, H, D]`` float16: pages ``first..first+n-1`` of ``tokens``."""
-    out = np.empty((n, *PAGE_SHAPE), dtype=np.float16)
-    for i in range(n):
-        out[i] = expected_page(tenant, tokens[: (first + i + 1) * PS].astype("<u4").tobytes())
-    return out
+MODEL = PageModel(PAGE_SHAPE, np.float16)
+expected_pages = MODEL.pages
 
 
 def write_pages(shared: AttachedPool, pages: np.ndarray, tenant: str, tokens: np.ndarray, first: int) -> None:
     """The engine's forward pass: fill the allocated L1 pages (mapped from the node) with their K/V."""
-    if len(pages) == 0:
-        return
-    want = torch.from_numpy(expected_pages(tenant, tokens, first, len(pages)))
-    idx = torch.from_numpy(np.asarray(pages, dtype=np.int64))
-    for layer, kv in enumerate(shared.pool.kv):
-        for c, t in enumerate(kv):
-            t[idx] = want[:, layer, c]
+    MODEL.write(shared.pool.kv, pages, tenant, tokens, first)
 
 
 def check_pages(shared: AttachedPool, pages: np.ndarray, tenant: str, tokens: np.ndarray, what: str) -> None:
     """Assert L1 pages ``pages`` (pages ``0..`` of ``tokens``) hold the model's K/V."""
-    if len(pages) == 0:
-        return
-    want = expected_pages(tenant, tokens, 0, len(pages)).view(np.uint16)
-    idx = torch.from_numpy(np.asarray(pages, dtype=np.int64))
-    for layer in range(LAYERS):
-        for c in range(2):
-            got = shared.pool.kv[layer][c][idx].numpy().view(np.uint16)
-            bad = np.flatnonzero((got != want[:, layer, c]).reshape(len(pages), -1).any(axis=1))
-            assert len(bad) == 0, (f"{what}: page(s) {bad.tolist()} of {len(pages)} (L1 pages "
-                                   f"{np.asarray(pages)[bad].tolist()}) layer {layer} {'KV'[c]} differ from what "
-                                   f"the model computes (tenant {tenant!r})")
+    MODEL.check(shared.pool.kv, pages, tenant, tokens, what)
 
 
 def check_bytes(data: bytes, tenant: str, tokens: np.ndarray, what: str) -> int:
@@ -117,8 +81,7 @@ def code(e: grpc.RpcError) -> grpc.StatusCode:
 
 # ---------------------------------------------------------------------------------------------- the soak
 @dataclass
-class Tally:
-    lock: threading.Lock = field(default_factory=threading.Lock)
+class Tally(Counters):
     lookups: int = 0  # Match (peeks too) and ReadPages calls: what hicache_lookups counts
     lookup_pages: int = 0
     plain_hits: int = 0  # L1 + L2 pages Match reported, for Matches without load
@@ -135,10 +98,6 @@ class Tally:
     clears: int = 0
     prompts: dict[tuple[str, bytes], np.ndarray] = field(default_factory=dict)
 
-    def add(self, **d: int) -> None:
-        with self.lock:
-            for k, v in d.items():
-                setattr(self, k, getattr(self, k) + v)
 
 
 class Soak:
@@ -311,16 +270,8 @@ class Soak:
             self.stop.set()
 
     def run(self, seconds: float) -> None:
-        threads = [threading.Thread(target=self.engine, args=(i,), name=f"engine-{i}") for i in range(THREADS)]
-        threads.append(threading.Thread(target=self.maintenance, name="maintenance"))
-        for th in threads:
-            th.start()
-        self.stop.wait(seconds)
-        self.stop.set()
-        for th in threads:
-            th.join(timeout=30)
-        assert not any(th.is_alive() for th in threads), "a client thread did not stop within 30 s"
-        assert not self.errors, "\n".join(self.errors)
+        run_threads([*((f"engine-{i}", lambda i=i: self.engine(i)) for i in range(THREADS)),
+                     ("maintenance", self.maintenance)], self.stop, self.errors, seconds)
 
 
 @pytest.mark.parametrize(("store", "write_policy"), [("memory", "write_through"),
