@@ -37,6 +37,9 @@ class Entry:
     opening: Any = None  # the MatchRequest that opened the id, until another call uses it (see repeat)
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Set once the opening Match is over, opened or failed (on the event loop thread): a repeat of it waits
+    # on this instead of polling.
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class RequestTable:
@@ -68,7 +71,9 @@ class RequestTable:
         return e
 
     def drop(self, request_id: str) -> None:
-        self._entries.pop(request_id, None)
+        e = self._entries.pop(request_id, None)
+        if e is not None:
+            e.settled.set()
 
     def get(self, request_id: str) -> Entry:
         """The open entry for ``request_id`` (NOT_FOUND when unknown or released)."""

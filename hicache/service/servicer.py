@@ -59,7 +59,6 @@ DEFAULT_EVENT_QUEUE = 4096
 MAX_EVENT_QUEUE = 1 << 20
 PAGE_CHUNK_BYTES = 4 << 20  # ReadPages: at most this much page data per message (at least one page)
 DEADLINE_MARGIN_S = 0.02
-REPEAT_POLL_S = 0.005  # a repeated Match whose first is still opening the request checks this often
 PROGRESS_POLL_S = 0.01  # Prefetch with stream_progress: how often the fetch is checked for its end
 T = TypeVar("T")
 
@@ -262,6 +261,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         except BaseException:
             self.table.drop(rid)
             raise
+        finally:
+            entry.settled.set()  # wakes a repeat of this Match waiting for it (see _repeat)
         loading = [h for h in req.pending if not h.done()]
         if loading:  # L1 pages another request is still loading from L2: reply once they hold their data
             await blocking(MultiHandle(loading).wait)
@@ -279,7 +280,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 return None
             if entry.request is not None:
                 break
-            await asyncio.sleep(REPEAT_POLL_S)  # the first attempt is still opening it (L3 lookup, load)
+            await entry.settled.wait()  # the first attempt is still opening it (L3 lookup, load)
         req = entry.request
         loading = [h for h in req.pending if not h.done()]
         if loading:

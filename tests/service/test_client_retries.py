@@ -277,6 +277,7 @@ def test_a_repeat_arriving_while_the_first_match_still_opens_waits_for_it() -> N
         await asyncio.sleep(0.02)
         assert not waiting.done()
         entry.request = SimpleNamespace(name="opened", pending=[])  # type: ignore[assignment]
+        entry.settled.set()  # as the first attempt's Match does once it has opened the request
         assert await asyncio.wait_for(waiting, 5) == ("opened", "r", False)
         other = pb.MatchRequest(request_id="r", tokens=tokens(9).tobytes())
         assert await HiCacheServicer._repeat(fake, other) is None  # not a repeat: ALREADY_EXISTS follows
