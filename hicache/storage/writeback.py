@@ -128,12 +128,17 @@ class Writeback:
             self._busy = True
             return jobs
 
-    def _write(self, jobs: list[_Job]) -> list[int]:
-        """Store the jobs' pages in batches; pages stored per job."""
+    def _write(self, jobs: list[_Job]) -> list[tuple[int, int]]:
+        """Store the jobs' pages in batches; (pages stored, pages tried) per job. Once ``close`` abandons the
+        queue, the batches not yet begun are left untried (the pages count as abandoned), so a job of many
+        pages cannot hold the worker for long past the close's deadline."""
         keys = [k for j in jobs for k in j.keys]
         pages = np.concatenate([j.pages for j in jobs])
         ok = np.zeros(len(keys), dtype=bool)
+        tried = np.zeros(len(keys), dtype=bool)
         for lo in range(0, len(keys), self._batch):
+            if self._abandon:
+                break
             hi = min(lo + self._batch, len(keys))
             t0 = time.perf_counter()
             try:
@@ -144,11 +149,13 @@ class Writeback:
             if self._observe is not None:
                 self._observe(time.perf_counter() - t0)
             self.batches += 1
+            tried[lo:hi] = True
             ok[lo : lo + max(0, min(n, hi - lo))] = True
         out, off = [], 0
         for j in jobs:
-            out.append(int(ok[off : off + len(j.keys)].sum()))
-            off += len(j.keys)
+            end = off + len(j.keys)
+            out.append((int(ok[off:end].sum()), int(tried[off:end].sum())))
+            off = end
         return out
 
     def _run(self) -> None:
@@ -158,9 +165,10 @@ class Writeback:
                 break
             written = self._write(jobs)
             with self._cv:
-                for j, w in zip(jobs, written, strict=True):
+                for j, (w, tried) in zip(jobs, written, strict=True):
                     self.written += w
-                    self.failed += len(j.keys) - w
+                    self.failed += tried - w
+                    self.abandoned += len(j.keys) - tried
                     self._queued_pages -= len(j.keys)  # room for blocked submitters, before any callback
                     self._done.append((j, w))
                 self._busy = False
@@ -205,7 +213,8 @@ class Writeback:
     def close(self, timeout_s: float | None = 30.0, join_timeout_s: float = 10.0) -> FlushReport:
         """Flush (up to ``timeout_s``; 0 when the caller has flushed already), then abandon what is left
         and stop the worker, waiting up to ``join_timeout_s`` for the batch it is writing (bounded by the
-        store's own timeouts). The report is final: abandoned pages count as pending."""
+        store's own timeouts: batches of the job in hand not yet begun are abandoned too). The report is
+        final: abandoned pages count as pending."""
         self.flush(timeout_s)
         with self._cv:
             self._closed = True

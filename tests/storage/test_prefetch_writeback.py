@@ -323,3 +323,22 @@ def test_raising_callback_does_not_stop_the_writer() -> None:
     assert wb.submit(page_keys(2, "after"), np.arange(2, 4), ok.append)
     assert wb.flush(5).written_pages == 4 and ok == [2]
     wb.close()
+
+
+def test_close_abandons_the_rest_of_a_long_job_in_hand() -> None:
+    """A job of many pages is written in many batches; once close abandons the queue, the worker stops
+    after the batch it is in, so close keeps to its deadline (not the whole job's write time)."""
+    store = SlowStore(delay_s=0.05)
+    wb = Writeback(store, wb_pool(), max_pages=100, batch_pages=1)
+    got: list[int] = []
+    keys = page_keys(40, "long")  # 40 batches of 50 ms: 2 s to write in full
+    assert wb.submit(keys, np.arange(40), got.append)
+    assert store.entered.wait(2)
+    t0 = time.perf_counter()
+    rep = wb.close(0.1, join_timeout_s=5)
+    assert time.perf_counter() - t0 < 1.0
+    assert not wb._thread.is_alive() and not wb._notifier.is_alive()
+    assert rep.written_pages + rep.pending_pages == 40 and rep.failed_pages == 0
+    assert 0 < rep.written_pages < 40
+    assert got == [rep.written_pages]  # the caller learns how many were stored, once
+    assert store.batch_exists(keys) == rep.written_pages
