@@ -38,7 +38,10 @@ class RetryPolicy:
       the id to the server (it would open a second request) fail with the UNAVAILABLE error instead: the
       caller cannot know whether they took effect.
 
-    Streaming calls (MatchStream, Prefetch, WatchEvents, ReadPages, WritePages) are never retried."""
+    Streaming calls (MatchStream, Prefetch, WatchEvents, ReadPages, WritePages) are never retried.
+
+    The default gives up within about half a second, so an engine computes the prefix instead of waiting
+    out a node restart; more ``attempts`` (with a small ``max_s``) wait for the node, up to the deadline."""
 
     attempts: int = 4
     base_s: float = 0.05

@@ -290,3 +290,33 @@ def test_a_repeat_arriving_while_the_first_match_still_opens_waits_for_it() -> N
         assert await asyncio.wait_for(waiting, 5) is None
 
     asyncio.run(main())
+
+
+def test_a_patient_retry_policy_rides_out_a_node_restart(tmp_path: Any) -> None:
+    """The default policy gives up within about half a second (an engine would rather compute the prefix than
+    wait); a caller that would rather wait gives more attempts, and a call made while the node is down
+    succeeds once it is back (the channel's reconnect wait is capped, so it notices within ``reconnect_max_s``)."""
+    import threading
+    import time
+
+    from .service_harness import start_server
+
+    port = free_port()
+    with HiCacheClient(f"127.0.0.1:{port}", timeout_s=30) as c:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as ei:
+            c.stats()
+        assert ei.value.code() == C.UNAVAILABLE and time.monotonic() - t0 < 2.0
+    started: list[ServerProc] = []
+    boot = threading.Timer(1.0, lambda: started.append(start_server(tmp_path, serve={"port": port})))
+    boot.start()
+    try:
+        with HiCacheClient(f"127.0.0.1:{port}", timeout_s=30,
+                           retry=RetryPolicy(attempts=200, base_s=0.05, max_s=0.25)) as c:
+            t0 = time.monotonic()
+            assert c.stats().open_requests == 0
+            assert time.monotonic() - t0 >= 0.9
+    finally:
+        boot.join()
+        for s in started:
+            s.terminate(15)
