@@ -45,7 +45,8 @@ class TransferHandle(abc.ABC):
 
     @abc.abstractmethod
     def done(self) -> bool:
-        """True once every layer has landed; never blocks."""
+        """True once every layer has landed, or once the transfer has failed and nothing of it writes any
+        more (``wait`` then raises the failure); never blocks on the copies, never raises."""
 
 
 class TransferEngine(abc.ABC):

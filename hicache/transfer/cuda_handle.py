@@ -8,6 +8,7 @@ them as the caller asks for the layers that need them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,13 +49,29 @@ class CudaHandle(TransferHandle):
         self.flags = flags
         self._keep: tuple[Any, ...] = keep
         self._pending = pending
+        self.error: BaseException | None = None  # a deferred step that failed: the transfer is over
 
     def _submit_through(self, layer: int) -> None:
-        """Submit the steps layer ``layer`` (and ``ahead`` more) needs; raise if one of them failed."""
+        """Submit the steps layer ``layer`` (and ``ahead`` more) needs; raise if one of them failed.
+
+        A failed step ends the transfer (its later steps are dropped), but the steps submitted before it,
+        and the failing step's own copies queued before it raised, may still be writing the destination
+        pages. Before the error is raised the device is synchronised, so that once a caller sees the
+        failure (here, or ``done()`` returning True) nothing of this transfer writes anywhere any more and
+        its pages may go back to their pool."""
+        if self.error is not None:
+            raise self.error
         d = self._pending
         if d is None:
             return
-        d.advance(layer)
+        try:
+            d.advance(layer)
+        except Exception as e:
+            self._pending = None
+            self.error = e
+            torch.cuda.synchronize(self.device)
+            self._keep = ()
+            raise
         if d.pending.complete:
             self._pending = None
 
@@ -90,7 +107,13 @@ class CudaHandle(TransferHandle):
         self._keep = ()
 
     def done(self) -> bool:
-        self.submit()
+        """True once every layer landed, or the transfer failed (``wait`` raises its error); never raises.
+        Submits the steps not yet submitted."""
+        if self._pending is not None:
+            with contextlib.suppress(Exception):
+                self.submit()
+        if self.error is not None:
+            return True  # failed, and synchronised when it did: nothing more lands
         if not self.events or self.events[-1].query():
             self._keep = ()
             return True

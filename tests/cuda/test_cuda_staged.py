@@ -402,6 +402,62 @@ def test_layer_wise_staged_load_submits_its_later_units_from_the_waits(host_layo
         eng.close()
 
 
+def test_a_deferred_unit_failing_lets_what_was_queued_land_before_the_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer-wise load whose later unit fails while being submitted (a launch refused): the handle's
+    ``wait`` raises the failure, ``done`` reports the transfer over without raising, and by then nothing
+    queued before the failure writes the destination pages any more (their next owner's data stays); the
+    engine still loads correctly afterwards."""
+    layout = KVLayout(8, 2, 64, "bfloat16", 16)
+    n = 64
+    dev, host = pools(layout, n, 2 * n, "page_first", seed=74, pin=True)
+    eng = create_engine("cuda", dev, host, io_backend="staged", staging_bytes=8 << 20, submit_ahead=0,
+                        ce_min_copy_bytes=8 << 10)
+    real = eng._launch_stage  # type: ignore[attr-defined]
+    calls = {"n": 0, "fail_at": -1}
+
+    def launch(lane: torch.cuda.Stream, *args: Any, **kw: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == calls["fail_at"]:
+            raise RuntimeError("injected launch failure")
+        if calls["n"] == 1:
+            with torch.cuda.stream(lane):
+                torch.cuda._sleep(4 * SLEEP_CYCLES)  # the first scatter lands late (~200 ms)
+        real(lane, *args, **kw)
+
+    try:
+        d, h = indices(n, n, n, seed=75)
+        monkeypatch.setattr(eng, "_launch_stage", launch)
+        handle = eng.load(h, d)
+        assert handle.unsubmitted_steps > 0 and calls["n"] >= 1  # type: ignore[attr-defined]
+        calls["fail_at"] = calls["n"] + 2  # a later unit: one of its chunks is queued, the next one fails
+        with pytest.raises(RuntimeError, match="injected"):
+            handle.wait()
+        assert handle.done()  # over, and never raises
+        with pytest.raises(RuntimeError, match="injected"):
+            handle.wait_layer(layout.num_layers - 1)
+        # the pages go to their next owner, who writes them at once on the compute stream
+        dd = torch.from_numpy(d).cuda()
+        for row in dev.kv:
+            for t in row:
+                t.view(torch.uint8).index_fill_(0, dd, 0x5A)
+        torch.cuda.synchronize()
+        for layer, row in enumerate(dev.kv):
+            for c, t in enumerate(row):
+                assert bool((t.view(torch.uint8).index_select(0, dd) == 0x5A).all()), (layer, c)
+
+        monkeypatch.setattr(eng, "_launch_stage", real)
+        h2 = np.arange(n, 2 * n, dtype=np.int64)
+        every = {(x, c) for x in range(layout.num_layers) for c in range(2)}
+        want = expect_load(snapshot(dev), host, d, h2, every)
+        eng.load(h2, d).wait()
+        got = snapshot(dev)
+        for layer in range(layout.num_layers):
+            for c in range(2):
+                assert torch.equal(got[layer][c], want[layer][c]), (layer, c)
+    finally:
+        eng.close()
+
+
 def test_deferred_units_submitted_from_a_fresh_thread() -> None:
     """The first staged load of an engine, its later units submitted by ``wait_layer`` calls from a
     thread that has not touched CUDA, runs (a deadline guards against a hang) and lands right."""
