@@ -432,9 +432,6 @@ def test_a_deferred_unit_failing_lets_what_was_queued_land_before_the_error(monk
         calls["fail_at"] = calls["n"] + 2  # a later unit: one of its chunks is queued, the next one fails
         with pytest.raises(RuntimeError, match="injected"):
             handle.wait()
-        assert handle.done()  # over, and never raises
-        with pytest.raises(RuntimeError, match="injected"):
-            handle.wait_layer(layout.num_layers - 1)
         # the pages go to their next owner, who writes them at once on the compute stream
         dd = torch.from_numpy(d).cuda()
         for row in dev.kv:
@@ -444,6 +441,9 @@ def test_a_deferred_unit_failing_lets_what_was_queued_land_before_the_error(monk
         for layer, row in enumerate(dev.kv):
             for c, t in enumerate(row):
                 assert bool((t.view(torch.uint8).index_select(0, dd) == 0x5A).all()), (layer, c)
+        assert handle.done()  # over, and never raises
+        with pytest.raises(RuntimeError, match="injected"):
+            handle.wait_layer(layout.num_layers - 1)
 
         monkeypatch.setattr(eng, "_launch_stage", real)
         h2 = np.arange(n, 2 * n, dtype=np.int64)
