@@ -250,12 +250,15 @@ class FileBackend(StorageBackend):
 
     # ------------------------------------------------------------------ batch helpers
     def _map(self, fn: Callable[[int], int], n: int, write: bool = False) -> list[int]:
-        """Run ``fn(i)`` for i in range(n) on the read (or ``write``) threads: a missing file is a MISS,
-        any other ``OSError`` an ERROR; other exceptions (bugs) propagate."""
+        """Run ``fn(i)`` for i in range(n) on the read (or ``write``) threads: a missing file is a MISS
+        (an ERROR for a write), any other ``OSError`` an ERROR; other exceptions (bugs) propagate."""
         def safe(i: int) -> int:
             try:
                 return fn(i)
-            except FileNotFoundError:
+            except FileNotFoundError as e:
+                if write:  # a page's directory vanished again while it was being written: not stored
+                    log.warning("file store %s: %s", self.root, e)
+                    return ERROR
                 return MISS
             except OSError as e:
                 log.warning("file store %s: %s", self.root, e)
@@ -300,6 +303,32 @@ class FileBackend(StorageBackend):
             n += 1
         return n
 
+    def _write_frame(self, d: str, key: bytes, final: str, header: bytes, payload: memoryview) -> None:
+        """Write one page's frame to ``final`` (in directory ``d``): through a temporary file renamed into
+        place where renames are atomic, else in place."""
+        target = f"{d}/.{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}" if self.atomic_rename \
+            else final
+        try:
+            if self._local:
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    if os.writev(fd, [header, payload]) != self._frame_bytes:
+                        raise OSError(f"short write to {target}")
+                finally:
+                    os.close(fd)
+                if self.atomic_rename:
+                    os.rename(target, final)
+            else:
+                with self.fs.open_output_stream(target) as out:
+                    out.write(header)
+                    out.write(payload)
+                if self.atomic_rename:
+                    self.fs.move(target, final)
+        except BaseException:
+            if self.atomic_rename:
+                self._delete_path(target)
+            raise
+
     def batch_set(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
         self._check_lengths(keys, host_indices)
         ns = self.ctx.namespace_digest
@@ -312,28 +341,14 @@ class FileBackend(StorageBackend):
             final = self.path(key)
             d = final.rsplit("/", 1)[0]
             self._ensure_dir(d)
-            target = f"{d}/.{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}" if self.atomic_rename \
-                else final
             try:
-                if self._local:
-                    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                    try:
-                        if os.writev(fd, [header, payload]) != self._frame_bytes:
-                            raise OSError(f"short write to {target}")
-                    finally:
-                        os.close(fd)
-                    if self.atomic_rename:
-                        os.rename(target, final)
-                else:
-                    with self.fs.open_output_stream(target) as out:
-                        out.write(header)
-                        out.write(payload)
-                    if self.atomic_rename:
-                        self.fs.move(target, final)
-            except BaseException:
-                if self.atomic_rename:
-                    self._delete_path(target)
-                raise
+                self._write_frame(d, key, final, header, payload)
+            except FileNotFoundError:
+                # The directory went away since we made it (the store was wiped, another node cleared it):
+                # make it again. Without this, every later page of that directory would fail, forever.
+                self._dirs.discard(d)
+                self._ensure_dir(d)
+                self._write_frame(d, key, final, header, payload)
             self._note(final, self._frame_bytes)
             return OK
 
