@@ -11,7 +11,7 @@ from hicache.config import ConfigError, load_config
 
 def test_defaults_validate() -> None:
     cfg = load_config(env={})
-    assert cfg.cache.write_policy == "write_through_selective"
+    assert cfg.cache.write_policy == "write_through"
     assert cfg.layout.page_size == 64
     assert cfg.storage.prefetch_timeout(1000) == pytest.approx(2.1)
     assert cfg.storage.prefetch_timeout(10**7) == 30.0

@@ -66,9 +66,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--l2", default="25%", help="L2 capacity, same units as --l1; 0 disables L2 (default: 25%%)")
     g.add_argument("--l3", default="file", help="L3: file (temporary folder, default), memory, none, or a storage "
                    "URL (redis://..., file:///path)")
-    g.add_argument("--write-policy", default="write_through_selective",
-                   help="write_through | write_through_selective | write_back")
-    g.add_argument("--prefetch-policy", default="wait_complete", help="best_effort | wait_complete | timeout")
+    g.add_argument("--write-policy", default=CacheConfig.write_policy,
+                   help=f"write_through | write_through_selective | write_back (default: {CacheConfig.write_policy})")
+    g.add_argument("--prefetch-policy", default="wait_complete",
+                   help="best_effort | wait_complete | timeout (default: wait_complete; a node's "
+                   "storage.prefetch_policy defaults to timeout)")
     g.add_argument("--target", default="inproc",
                    help="inproc (default), or grpc://host:port of a node or of a router (hicache route); with "
                    "grpc:// the node's page size, capacities, L3 and policies apply, not --l1/--l2/--l3/--*-policy "
@@ -146,7 +148,7 @@ def options(args: argparse.Namespace, console: Console | None = None) -> Any:
         limit=args.limit, seed=args.seed, plant=args.plant, tokenizer=args.tokenizer,
         l1=parse_size(args.l1, "--l1"), l2=parse_size(getattr(args, "l2", "0"), "--l2"),
         l3=getattr(args, "l3", "none"), page_size=args.page_size,
-        write_policy=getattr(args, "write_policy", "write_through_selective"),
+        write_policy=getattr(args, "write_policy", CacheConfig.write_policy),
         eviction_policy=args.eviction_policy, prefetch_policy=getattr(args, "prefetch_policy", "wait_complete"),
         target=getattr(args, "target", "inproc"), model_layout=getattr(args, "model_layout", "llama-3.1-8b"),
         prefill_rate=prefill_rate(args, console), l2_bandwidth=getattr(args, "l2_bandwidth", 50e9),

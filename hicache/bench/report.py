@@ -71,6 +71,8 @@ def render(res: BenchResult, console: Console | None = None) -> None:
                        f"{p.policy:.1%}", f"{p.optimal:.1%}", f"{ratio:.0%}")
         c.print(ct)
     c.print(f"[bold]advice:[/bold] {advice(res.hit_rate, res.infinite)}")
+    if res.sizing is not None:
+        c.print(f"[bold]sizing:[/bold] {res.sizing.describe(bpt, res.policies['write'])}")
     c.print(f"replay: {res.wall_s:.2f} s wall, {res.cache_s:.2f} s in cache calls "
             f"({res.requests / max(res.wall_s, 1e-9):.0f} requests/s)"
             + ("; background copies finished before each next request (--no-settle: back to back)"

@@ -26,6 +26,7 @@ import numpy as np
 from hicache.bench.errors import BenchInputError
 from hicache.bench.optimal import PagedTrace, belady, infinite, page_trace
 from hicache.bench.replay import ReplayResult, replay
+from hicache.bench.sizing import Sizing, size_for_bound
 from hicache.bench.targets import GrpcTarget, InProcessTarget, RouterTarget, Target, is_router, open_target
 from hicache.bench.tokenizer import WordTokenizer, load_tokenizer
 from hicache.bench.traces import MOONCAKE_BLOCK, is_mooncake, load_trace
@@ -64,7 +65,7 @@ class BenchOptions:
     l2: Size = field(default_factory=lambda: parse_size("25%"))
     l3: str = "file"  # "file" (temporary folder), "memory", "none" or a storage URL
     page_size: int | None = None  # None: 64, or 512 for Mooncake traces
-    write_policy: str = "write_through_selective"
+    write_policy: str = CacheConfig.write_policy
     eviction_policy: str = CacheConfig.eviction_policy
     prefetch_policy: str = "wait_complete"
     target: str = "inproc"
@@ -125,7 +126,7 @@ def load_requests(opts: BenchOptions) -> Workload:
 
 
 def replay_config(page_size: int, l1_tokens: int, l2_tokens: int, storage_url: str = "",
-                  write_policy: str = "write_through_selective", eviction_policy: str = "lru",
+                  write_policy: str = CacheConfig.write_policy, eviction_policy: str = "lru",
                   prefetch_policy: str = "wait_complete") -> HiCacheConfig:
     """A cache config with the tiny hit-rate layout (see the module docstring)."""
     return HiCacheConfig(
@@ -216,6 +217,7 @@ class BenchResult:
     stats: dict[str, Any]
     per_request: ReplayResult | None = None
     settled: bool = False  # background copies waited for after each request
+    sizing: Sizing | None = None  # the L2 that would close the gap to the bound, replayed (in-process only)
 
     @property
     def hit_rate(self) -> float:
@@ -228,6 +230,7 @@ class BenchResult:
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in vars(self).items() if k != "per_request"}
         d["curve"] = [vars(p) for p in self.curve]
+        d["sizing"] = None if self.sizing is None else self.sizing.to_dict()
         d["hit_rate"] = self.hit_rate
         d["gap_to_optimal"] = self.gap
         return d
@@ -329,4 +332,17 @@ def run_bench(opts: BenchOptions, wl: Workload | None = None,
         prefill_seconds_total=pt.total_prompt_tokens / opts.prefill_rate,
         optimal_same_capacity=opt_same, optimal_l1=opt_l1, infinite=inf, curve=pts,
         wall_s=r.wall_s, cache_s=r.cache_s, stats=r.stats, per_request=r, settled=r.settled,
+        sizing=None if remote else check_sizing(reqs, ps, l1, l2, _tiers(r)["total"]["token_rate"], inf, pts, opts),
     )
+
+
+def check_sizing(requests: Sequence[TraceRequest], page_size: int, l1: int, l2: int, hit_rate: float,
+                 bound: float, pts: Sequence[CurvePoint], opts: BenchOptions) -> Sizing | None:
+    """The L2 suggested by the curve (:func:`~hicache.bench.sizing.size_for_bound`), replayed in-process
+    with the run's L1 and policies and no L3, so its hit rate is measured."""
+    s = size_for_bound(hit_rate, bound, l1, l2, pts)
+    if s is None:
+        return None
+    cfg = replay_config(page_size, l1, s.l2_tokens, "", opts.write_policy, opts.eviction_policy, opts.prefetch_policy)
+    with InProcessTarget(cfg) as t:
+        return s.checked(replay(requests, t, settle=opts.settles).hit_rate)
