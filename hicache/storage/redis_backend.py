@@ -28,7 +28,9 @@ one request hash to different slots and spread over every master; a batch is spl
 parts run in parallel, each one pipelined on one connection.
 
 Reads land straight in the host pages and are verified there; only pages ``0..n-1`` of a ``batch_get``
-that returned ``n`` hold valid data (later pages may have been overwritten with rejected bytes).
+that returned ``n`` hold valid data (later pages may have been overwritten with rejected bytes). A value
+that cannot be one of our pages (a string of the wrong size, a value of another type) is a damaged page,
+like a frame that fails verification.
 
 Failure model: every operation is retried on transient errors (connection, timeout, waiting longer than
 ``timeout_s`` for a connection, MOVED / LOADING / ...) with backoff; when it still fails the error is
@@ -91,6 +93,14 @@ def _moved(e: BaseException | None) -> redis.exceptions.MovedError | None:
             except ValueError:
                 return None
     return None
+
+
+def _wrong_type(e: BaseException) -> bool:
+    """A ``WRONGTYPE`` reply to a page's GET: the key holds a value of another type (a list, a hash...),
+    i.e. not one of our pages -- damaged or foreign, like a string of the wrong size."""
+    if isinstance(e, ReplyError):
+        return e.kind == "WRONGTYPE"
+    return isinstance(e, redis.exceptions.ResponseError) and str(e).startswith("WRONGTYPE")
 
 
 def _headers(payloads: list[memoryview], ns: bytes, keys: list[bytes]) -> list[bytes]:
@@ -436,7 +446,7 @@ class RedisBackend(StorageBackend):
                     if isinstance(blob, Exception):
                         if is_transient(blob):
                             raise blob
-                        out.append(MISS)
+                        out.append(CORRUPT if _wrong_type(blob) else MISS)
                     elif blob is None:
                         out.append(MISS)
                     else:
@@ -462,7 +472,10 @@ class RedisBackend(StorageBackend):
                     try:
                         n = rd.read_bulk_len()
                     except ReplyError as e:
-                        errs.append(e)
+                        if _wrong_type(e):
+                            out[j] = CORRUPT
+                        else:
+                            errs.append(e)
                         continue
                     if n < 0:
                         continue

@@ -10,7 +10,7 @@ or private questions under two tenants, and check every page a hit hands them ag
 Fault side (:class:`FileFaults`, :class:`RedisFaults`, run by the test process): list the pages the store
 holds and damage them -- flip a bit of the payload or of the header's key, truncate, replace the frame with
 the frame of another page, of the same tokens under the other tenant, or with a valid frame of another
-model's namespace; delete a page, a page's directory, or everything.
+model's namespace, or (Redis) with a value of another type; delete a page, a page's directory, or everything.
 """
 
 from __future__ import annotations
@@ -325,8 +325,8 @@ class WorkerProc:
 
 
 # ---------------------------------------------------------------------------------------------- fault side
-CORRUPTING = ("flip_payload", "flip_key", "truncate", "other_page", "other_namespace")
-KINDS = (*CORRUPTING, "delete")
+CORRUPTING = ("flip_payload", "flip_key", "truncate", "other_page", "other_tenant", "other_namespace", "wrong_type")
+KINDS = ("flip_payload", "flip_key", "truncate", "other_page", "other_namespace", "delete")  # any store
 
 
 @dataclass
@@ -338,11 +338,13 @@ class FaultLog:
 
     @property
     def corrupting(self) -> int:
-        return sum(self.counts.get(k, 0) for k in (*CORRUPTING, "other_tenant"))
+        return sum(self.counts.get(k, 0) for k in CORRUPTING)
 
 
 class Faults(abc.ABC):
     """Damage to the pages of a store, by page key. Operations on a page that went away meanwhile do nothing."""
+
+    kinds: tuple[str, ...] = KINDS  # what :func:`inject` picks from
 
     def __init__(self) -> None:
         self.log = FaultLog()
@@ -364,6 +366,10 @@ class Faults(abc.ABC):
 
     @abc.abstractmethod
     def remove(self, key: bytes) -> None: ...
+
+    def retype(self, key: bytes) -> None:
+        """Put a value of another type (not a string) at the page's key, where the store has types."""
+        raise NotImplementedError(f"{type(self).__name__}: values have no type")
 
     @abc.abstractmethod
     def wipe(self) -> None:
@@ -395,6 +401,8 @@ class Faults(abc.ABC):
             self.replace(key, encode_frame(blob[HEADER_BYTES:], self.foreign_ns, key))
         elif kind == "delete":
             self.remove(key)
+        elif kind == "wrong_type":
+            self.retype(key)
         else:
             raise ValueError(kind)
         self.log.note(kind)
@@ -463,7 +471,9 @@ class FileFaults(Faults):
 
 class RedisFaults(Faults):
     """Damage to a Redis (or Redis Cluster) store through a client of its own; a store that is down is
-    left alone."""
+    left alone. Besides damaged strings, a page's key may get a value of another type (a list)."""
+
+    kinds = (*KINDS, "wrong_type")
 
     def __init__(self, client: redis.Redis | RedisCluster, prefix: str) -> None:
         super().__init__()
@@ -499,8 +509,13 @@ class RedisFaults(Faults):
         with contextlib.suppress(redis.RedisError):
             self.client.delete(self.rkey(key))
 
+    def retype(self, key: bytes) -> None:
+        with contextlib.suppress(redis.RedisError):
+            self.client.delete(self.rkey(key))
+            self.client.rpush(self.rkey(key), b"not a page")
+
     def wipe(self) -> None:
-        """Every page under the prefix goes (FLUSHALL on a server of its own)."""
+        """Every page under the prefix goes."""
         for k in self.keys():
             self.remove(k)
         self.log.note("wipe")
@@ -523,7 +538,7 @@ def inject(faults: Faults, seconds: float, rng: random.Random, once: dict[float,
             if isinstance(faults, FileFaults) and rng.random() < 0.03:
                 faults.remove_dir(key)
             else:
-                faults.damage(key, rng.choice(KINDS), rng)
+                faults.damage(key, rng.choice(faults.kinds), rng)
         time.sleep(rng.uniform(0.005, 0.03))
     for _, fn in pending:
         fn()

@@ -7,8 +7,8 @@ followed by shared or private questions under two tenants, so the same page keys
 processes at once and read back by the other one, while their maintenance threads keep clearing L1/L2 so
 requests go to L3. Meanwhile the test process damages the store: bits flipped in payloads and in the
 header's key, frames truncated, replaced with the frame of another page or with a valid frame of another
-model's namespace, pages deleted (and, for the file store, whole directories); the store is wiped once,
-and the redis-server is killed and started again.
+model's namespace or (Redis) with a value of another type, pages deleted (and, for the file store, whole
+directories); the store is wiped once, and the redis-server is killed and started again.
 
 Checked:
 
@@ -44,7 +44,7 @@ from storage.l3soak import CORRUPTING, PROMPTS, TENANTS, Faults, FileFaults, Red
 SOAK_S = 4.0
 SEED = 1234
 HOST_LAYOUTS = ("page_first", "layer_first")  # worker i's L2 layout: frames are shared across both
-FAST_FAIL = {"timeout_s": 0.5, "connect_timeout_s": 0.2, "retry_attempts": 2, "retry_base_s": 0.005,
+FAST_FAIL = {"timeout_s": 2.0, "connect_timeout_s": 0.5, "retry_attempts": 2, "retry_base_s": 0.005,
              "breaker_base_s": 0.05, "breaker_max_s": 0.2}
 
 # Known damage after the soak: (kind, document, tenant, page, page whose frame is copied (other_page /
@@ -57,6 +57,7 @@ PLAN: list[tuple[str, int, str, int, tuple[int, str, int] | None]] = [
     ("other_tenant", 4, "", 2, (4, "acme", 2)),  # the same tokens' page under the other tenant
     ("other_namespace", 5, "acme", 1, None),  # this very key and payload, framed for another model
     ("delete", 0, "acme", 2, None),
+    ("wrong_type", 1, "", 2, None),  # Redis only: a list where the page's string was
 ]
 
 
@@ -65,6 +66,7 @@ class Store:
     url: str
     options: dict[str, Any]
     faults: Faults
+    worker_options: tuple[dict[str, Any], ...] = ({}, {})  # more options per worker
     once: dict[float, Callable[[], None]] = field(default_factory=dict)  # fraction of the soak -> extra fault
 
 
@@ -74,7 +76,7 @@ def open_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Ite
         root = tmp_path / "l3"
         root.mkdir()
         faults = FileFaults(root)
-        yield Store(f"file://{root}", {}, faults, {0.6: faults.wipe})
+        yield Store(f"file://{root}", {}, faults, once={0.6: faults.wipe})
     elif kind == "redis":  # a server of its own: it is killed and started again
         with LocalRedis() as server:
             client = server.client()
@@ -94,7 +96,9 @@ def open_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Ite
                     pass
 
             try:
-                yield Store(server.url, dict(FAST_FAIL), rfaults, {0.3: restart, 0.6: flushall})
+                # worker 1 reads and writes through plain redis-py pipelines, worker 0 the zero-copy path
+                yield Store(server.url, dict(FAST_FAIL), rfaults, ({}, {"wire": "pipeline"}),
+                            {0.3: restart, 0.6: flushall})
             finally:
                 client.close()
     elif kind == "cluster":  # the session's cluster, under a prefix of this test's own
@@ -103,7 +107,7 @@ def open_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Ite
         rc = RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port, socket_timeout=5)
         try:
             cfaults = RedisFaults(rc, prefix)
-            yield Store(cluster.url, {**FAST_FAIL, "prefix": prefix}, cfaults, {0.6: cfaults.wipe})
+            yield Store(cluster.url, {**FAST_FAIL, "prefix": prefix}, cfaults, once={0.6: cfaults.wipe})
             cfaults.wipe()
         finally:
             rc.close()
@@ -168,20 +172,23 @@ def recover(workers: list[WorkerProc], store: Store) -> None:
     # known damage, then worker 1 reads every document again
     keys = {k: [bytes.fromhex(h) for h in s["keys"]] for k, s in by_doc(first).items()}
     rng = random.Random(SEED)
-    for kind, doc, tenant, page, other in PLAN:
+    plan = [p for p in PLAN if p[0] in (*store.faults.kinds, "other_tenant")]
+    for kind, doc, tenant, page, other in plan:
         src = keys[(other[0], other[1])][other[2]] if other else None
         assert store.faults.damage(keys[(doc, tenant)][page], kind, rng, src), (kind, doc, tenant, page)
     before = w1.call("stats")
     second = by_doc(w1.call("serve_docs"))
     after = w1.call("stats")
-    damaged = {(doc, tenant): (kind, page) for kind, doc, tenant, page, _ in PLAN}
+    damaged = {(doc, tenant): (kind, page) for kind, doc, tenant, page, _ in plan}
     for key, s in second.items():
         kind, page = damaged.get(key, ("", s["pages"]))
         assert s["l3_loaded"] == page, f"worker 1: {kind or 'undamaged'} document {key}: {s}"
         assert s["l3_match"] == (page if kind == "delete" else s["pages"]), f"worker 1: {kind} document {key}: {s}"
         assert s["l3_exists_after"] == s["pages"], f"worker 1 did not repair document {key}: {s}"
-    refused = sum(kind in (*CORRUPTING, "other_tenant") for kind, *_ in PLAN)
-    assert after["corrupt_pages"] - before["corrupt_pages"] == refused, (before, after)
+    refused = sum(kind in CORRUPTING for kind, *_ in plan)
+    assert after["corrupt_pages"] - before["corrupt_pages"] == refused, (
+        f"worker 1's store counted {after['corrupt_pages'] - before['corrupt_pages']} damaged pages; {refused} of "
+        f"the pages it read were damaged ({[p[0] for p in plan if p[0] in CORRUPTING]}): {before} -> {after}")
     assert after["metric_corrupt"] - before["metric_corrupt"] == refused, (before, after)
     assert after["metric_misses"] > before["metric_misses"], (before, after)
 
@@ -203,8 +210,8 @@ def test_shared_l3_under_damage_never_serves_a_wrong_page(kind: str, workers: li
                                                           request: pytest.FixtureRequest) -> None:
     assert len(PROMPTS.docs) * len(TENANTS) >= len(PLAN)
     with open_store(kind, tmp_path, request) as store:
-        for w, layout in zip(workers, HOST_LAYOUTS, strict=True):
-            w.call("open", url=store.url, options=store.options, host_layout=layout)
+        for w, layout, more in zip(workers, HOST_LAYOUTS, store.worker_options, strict=True):
+            w.call("open", url=store.url, options={**store.options, **more}, host_layout=layout)
         try:
             soak(workers, store)
             recover(workers, store)
@@ -228,3 +235,26 @@ def test_file_store_node_writes_again_after_another_node_wiped_the_store(
     got = make_pool(4, seed=None)
     assert b.batch_get(keys, got, idx) == 4 and pages_equal(pool, got, idx, idx)
     assert a.stats().errors == 0 and a.stats().sets == 8
+
+
+@needs_redis
+@pytest.mark.redis
+@pytest.mark.parametrize("wire", ["raw", "pipeline"])
+def test_redis_value_of_another_type_at_a_page_key_is_a_damaged_page(
+        wire: str, redis_single: LocalRedis, prefix: str, open_backend: Callable[..., StorageBackend]) -> None:
+    """The soak's ``wrong_type`` fault, made deterministic: a list where a page's string was (another
+    application's key, a foreign writer) is a damaged page like a string of the wrong size -- a miss, counted
+    in ``corrupt_pages`` and deleted, so the store stops claiming the page exists."""
+    b = open_backend(redis_single.url, prefix=prefix, wire=wire)
+    pool, keys, idx = make_pool(4), page_keys(4, wire), [0, 1, 2, 3]
+    assert b.batch_set(keys, pool, idx) == 4
+    client = redis_single.client()
+    rk = b.redis_key(keys[2])  # type: ignore[attr-defined]
+    client.delete(rk)
+    client.rpush(rk, b"not a page")
+    got = make_pool(4, seed=None)
+    assert b.batch_get(keys, got, idx) == 2 and pages_equal(pool, got, [0, 1], [0, 1])
+    assert b.stats().corrupt_pages == 1 and b.stats().errors == 0
+    assert b.batch_exists(keys) == 2  # deleted: no longer claimed as a hit
+    assert b.batch_set(keys, pool, idx) == 4 and b.batch_get(keys, got, idx) == 4
+    client.close()
