@@ -111,7 +111,7 @@ class Served:
     l1_match: int  # pages match found on L1
     l3_match: int  # pages match found on L3
     l3_loaded: int  # pages the prefetch brought (verified)
-    foreign: int
+    foreign: int  # of l3_loaded: pages this process never computed
     computed: int
     keys: list[str]  # page keys, hex
     l3_exists_after: int = -1  # leading pages the store holds after the flush
