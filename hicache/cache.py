@@ -1,6 +1,6 @@
 """The cache orchestrator: one radix tree over L1 / L2 / L3, pools, transfers, write policies, metrics.
 
-A request's life (see README "One request")::
+A request's life (README, "Using the library")::
 
     req = cache.match(tokens)          # hit lengths per tier; locks the L1 prefix, pins the L2 run
     cache.prefetch(req)                # optional: start L3 -> L2 for the L3 run (if worth it)
@@ -251,6 +251,7 @@ class HiCache:
             return False
         host = self._alloc_host(node.n_pages)
         if host is None:
+            self.metrics.backup_skipped_tokens.inc(node.n_pages * self.page_size)
             return False
         t0 = time.perf_counter()
         handle = self.transfer.backup(node.device, host)

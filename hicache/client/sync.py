@@ -2,7 +2,7 @@
 
     with HiCacheClient("127.0.0.1:50051") as c:
         m = c.match(tokens, request_id="r1")            # MatchResult; L1 prefix locked for "r1"
-        pages = c.allocate("r1", n_new_pages)            # np.int64 L1 pages owned by "r1"
+        pages = c.allocate("r1", n_new_pages)            # np.int64 L1 pages owned by "r1" (n_new_pages >= 1)
         ...                                              # compute KV into them (c.attach() maps the pool)
         c.commit("r1", tokens, np.concatenate([m.device_indices, pages]))
         c.release("r1")

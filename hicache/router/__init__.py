@@ -6,6 +6,7 @@
   ``round_robin``, ``least_load``; ``@register_policy`` adds one;
 * :mod:`.load` / :mod:`.breaker` -- in-flight counts that expire, reported queue depth, and a circuit
   breaker per node that counts only transport failures;
+* :mod:`.config` -- the ``router`` section of the config file (nodes, policy, thresholds, TLS);
 * :mod:`.core` -- :class:`Router`, the decisions without transport; :mod:`.feed`, :mod:`.server`,
   :mod:`.cli`, :mod:`.client` -- the gRPC side (``hicache.v1.Router``: Route / Complete / ListNodes).
 """

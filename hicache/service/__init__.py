@@ -5,6 +5,7 @@
 * :mod:`.servicer`     -- the RPC handlers over one :class:`hicache.cache.HiCache`.
 * :mod:`.rpc`          -- status mapping, the concurrency bound and timing around every handler.
 * :mod:`.validation`   -- request checks: every rejected call is refused before the cache is touched.
+* :mod:`.decode`       -- a request whose bytes do not decode gets INVALID_ARGUMENT, not UNKNOWN.
 * :mod:`.pages`        -- L1 pages <-> canonical page bytes for peers on other hosts.
 * :mod:`.requests`     -- open requests by client-chosen id (ownership of locks and pages, idle expiry).
 * :mod:`.events`       -- the event hub behind WatchEvents (gap-free sequence numbers, snapshots).

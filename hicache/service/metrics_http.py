@@ -21,7 +21,7 @@ class ServiceMetrics:
                                      "message under Match; MatchStream: a whole stream)", ["method"],
                                      registry=r, buckets=RPC_BUCKETS)
         self.rpc_total = Counter("hicache_rpcs", "RPCs finished, by method and status code (those refused at "
-                                 "serve.max_concurrency are in hicache_rpc_rejected)", ["method", "code"],
+                                 "serve.max_concurrency are in hicache_rpc_rejected_total)", ["method", "code"],
                                  registry=r)
         self.rpc_inflight = Gauge("hicache_rpc_inflight", "RPCs being handled (queue depth)", registry=r)
         self.rpc_rejected = Counter("hicache_rpc_rejected", "RPCs refused with RESOURCE_EXHAUSTED (concurrency)",
