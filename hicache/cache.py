@@ -251,6 +251,7 @@ class HiCache:
             return False
         host = self._alloc_host(node.n_pages)
         if host is None:
+            self.metrics.backup_skipped_tokens.inc(node.n_pages * self.page_size)
             return False
         t0 = time.perf_counter()
         handle = self.transfer.backup(node.device, host)

@@ -62,6 +62,10 @@ class Metrics:
                                         "copies themselves run on after it returns", registry=r)
         self.backup_tokens = Counter("hicache_backed_up_tokens", "Tokens backed up, by destination tier", ["tier"],
                                      registry=r)
+        self.backup_skipped_tokens = Counter(
+            "hicache_backup_skipped_tokens", "Tokens the write policy would have backed up to L2 but could not: no "
+            "L2 page free or evictable (L2 pages pinned, holding requests' prefixes, or waiting for their L3 "
+            "write). Such pages are lost when L1 evicts them", registry=r)
         self.prefetch_tokens = Counter("hicache_prefetch_tokens", "Tokens prefetched L3 -> L2", registry=r)
         self.prefetch_aborted = Counter("hicache_prefetch_aborted", "Prefetches not started (in-flight byte cap, no "
                                         "room on L2) or cut short (timeout, error, request released first)",

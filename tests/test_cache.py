@@ -170,6 +170,29 @@ def test_write_policies_behave_as_named(make_cache, policy: str) -> None:
     cache.check_integrity()
 
 
+def test_a_backup_with_no_room_on_l2_is_counted(make_cache) -> None:
+    """write_through backs every commit up to L2; when no L2 page is free or evictable (here all of L2 holds
+    a prefix a request is using) the backup is skipped, and counted: those pages are lost once L1 evicts
+    them."""
+    cache = make_cache(cache={"write_policy": "write_through", "l1_tokens": 64, "l2_tokens": 16})
+    skipped = "hicache_backup_skipped_tokens_total"
+    a = list(range(16))
+    commit_fresh(cache, a, seed=20)
+    cache.flush()
+    cache.evict(l1_pages=4)
+    held = cache.match(a)  # pins A's 4 pages: all of L2
+    assert held.l2_pages == 4
+    assert cache.metrics.registry.get_sample_value(skipped) == 0
+    commit_fresh(cache, list(range(100, 116)), seed=21)
+    cache.flush()
+    assert cache.metrics.registry.get_sample_value(skipped) == 16
+    cache.release(held)
+    commit_fresh(cache, list(range(200, 216)), seed=22)  # room again: A's pages are evictable
+    cache.flush()
+    assert cache.metrics.registry.get_sample_value(skipped) == 16
+    cache.check_integrity()
+
+
 def test_selective_drops_cold_pages_on_eviction(make_cache) -> None:
     cache = make_cache(cache={"write_policy": "write_through_selective"})
     commit_fresh(cache, list(range(16)), seed=9)
