@@ -36,6 +36,23 @@ def advice(hit_rate: float, infinite: float) -> str:
     return f"Hit rate {hit_rate:.0%} is close to the {infinite:.0%} bound: the cache is doing all it can."
 
 
+def break_even(res: BenchResult) -> list[str]:
+    """A line for each tier that served hits but loads a token's KV more slowly than the prefill would
+    recompute it (at the assumed rates): hits there cost time instead of saving it."""
+    out = []
+    recompute_us = 1e6 / res.prefill_rate
+    need = res.bytes_per_token * res.prefill_rate  # bytes/s at which loading a token takes as long as computing it
+    for tier, bw, flag in (("l2", res.l2_bandwidth, "--l2-bandwidth"), ("l3", res.l3_bandwidth, "--l3-bandwidth")):
+        if res.tiers[tier]["tokens"] <= 0 or bw >= need:
+            continue
+        load_us = 1e6 * res.bytes_per_token / bw
+        out.append(f"{tier.upper()} hits cost time: loading a token's KV ({human_bytes(res.bytes_per_token)}) at "
+                   f"{bw / 1e9:.1f} GB/s takes {load_us:.0f} us against {recompute_us:.0f} us to recompute it at "
+                   f"{res.prefill_rate:,.0f} tokens/s; {tier.upper()} pays off above {need / 1e9:.1f} GB/s "
+                   f"({flag}, --prefill-rate)")
+    return out
+
+
 def render(res: BenchResult, console: Console | None = None) -> None:
     c = console or Console()
     bpt = res.bytes_per_token
@@ -58,6 +75,8 @@ def render(res: BenchResult, console: Console | None = None) -> None:
     c.print(f"tokens not recomputed: {human_tokens(res.reused_tokens)} "
             f"({res.reused_tokens / max(res.prompt_tokens, 1):.1%}); prefill time saved: {saved:.1f} s of "
             f"{total:.1f} s ({saved / total if total else 0:.1%})")
+    for line in break_even(res):
+        c.print(f"[bold]note:[/bold] {line}")
     c.print(f"offline optimum at the same capacities: {res.optimal_same_capacity:.1%} "
             f"(gap {res.gap:+.1%}); L1 alone: optimum {res.optimal_l1:.1%} vs L1 hits "
             f"{res.tiers['l1']['token_rate']:.1%}; infinite capacity: {res.infinite:.1%}")

@@ -218,6 +218,9 @@ class BenchResult:
     per_request: ReplayResult | None = None
     settled: bool = False  # background copies waited for after each request
     sizing: Sizing | None = None  # the L2 that would close the gap to the bound, replayed (in-process only)
+    prefill_rate: float = DEFAULT_PREFILL_RATE  # tokens/s the time figures assume
+    l2_bandwidth: float = DEFAULT_L2_BW  # bytes/s
+    l3_bandwidth: float = DEFAULT_L3_BW
 
     @property
     def hit_rate(self) -> float:
@@ -332,6 +335,7 @@ def run_bench(opts: BenchOptions, wl: Workload | None = None,
         prefill_seconds_total=pt.total_prompt_tokens / opts.prefill_rate,
         optimal_same_capacity=opt_same, optimal_l1=opt_l1, infinite=inf, curve=pts,
         wall_s=r.wall_s, cache_s=r.cache_s, stats=r.stats, per_request=r, settled=r.settled,
+        prefill_rate=opts.prefill_rate, l2_bandwidth=opts.l2_bandwidth, l3_bandwidth=opts.l3_bandwidth,
         sizing=None if remote else check_sizing(reqs, ps, l1, l2, _tiers(r)["total"]["token_rate"], inf, pts, opts),
     )
 
