@@ -389,6 +389,10 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         full = tb[: n * stride]
         if full[: len(req.token_bytes)] != req.token_bytes[: len(full)] or n < len(req.device_indices):
             raise precondition("tokens: do not extend the request's matched prefix")
+        task = req.prefetch  # an L3 fetch a Prefetch cut short left running: its pages are for these tokens
+        if task is not None and n < req.prefetch_start + task.num_pages:
+            raise precondition(f"tokens: {n} full pages, but the request's prefetch (cut short: call Prefetch "
+                               f"to finish it) fetches pages up to {req.prefetch_start + task.num_pages}")
         prefix = req.device_indices
         if not np.array_equal(dev[: len(prefix)], prefix):
             raise precondition(f"device_indices: must start with the request's {len(prefix)} prefix pages "
