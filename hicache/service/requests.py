@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from hicache.cache import Request
-from hicache.service.validation import ServiceError
+from hicache.service.validation import ServiceError, shown
 
 MAX_ID_BYTES = 128
 
@@ -82,7 +82,7 @@ class RequestTable:
         e = self._entries.get(request_id)
         if e is None or e.request is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND,
-                               f"request_id {request_id!r}: no open request (never matched, or already released)")
+                               f"request_id {shown(request_id)}: no open request (never matched, or already released)")
         e.last_used = time.monotonic()
         e.opening = None  # the id is in use now: a Match naming it again is a conflict, not a retry
         return e

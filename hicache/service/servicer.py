@@ -24,6 +24,7 @@ import contextlib
 import math
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -83,7 +84,11 @@ async def blocking(fn: Callable[..., T], *args: Any) -> T:
 
 
 def _within_deadline(wait: float | None, context: Ctx) -> float | None:
-    """``wait`` seconds (None: no bound) cut to what the call's deadline leaves, less a margin to reply."""
+    """``wait`` seconds (None: no bound) cut to what the call's deadline leaves, less a margin to reply. A
+    bound longer than any thread can wait (``threading.TIMEOUT_MAX``, ~292 years; e.g. Flush's
+    ``timeout_s=1e300``) is no bound."""
+    if wait is not None and wait >= threading.TIMEOUT_MAX:
+        wait = None
     left = context.time_remaining()
     if left is None:
         return wait

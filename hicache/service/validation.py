@@ -22,6 +22,7 @@ from hicache.keys import MAX_TOKEN_ID, Namespace
 
 MAX_TENANT_BYTES = 256
 _NS_CACHE_SIZE = 4096
+SHOWN_CHARS = 64  # at most this much of a client's string goes back in an error message
 
 
 class ServiceError(Exception):
@@ -31,6 +32,15 @@ class ServiceError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def shown(value: str) -> str:
+    """``value`` quoted for an error message, cut to :data:`SHOWN_CHARS` characters. gRPC sends the message
+    in a trailer that clients cap (8 KiB by default): echoing a long string whole would turn the refusal
+    into a RESOURCE_EXHAUSTED transport error on the client's side, losing the real code and message."""
+    if len(value) <= SHOWN_CHARS:
+        return repr(value)
+    return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
 
 
 def invalid(message: str) -> ServiceError:
@@ -81,11 +91,11 @@ class NamespaceResolver:
     def resolve(self, tenant: str, model: str, revision: str, layout: str) -> Namespace:
         b = self.base
         if model and model != b.model:
-            raise precondition(f"namespace.model: this server serves {b.model!r}, not {model!r}")
+            raise precondition(f"namespace.model: this server serves {b.model!r}, not {shown(model)}")
         if revision and revision != b.revision:
-            raise precondition(f"namespace.revision: this server serves revision {b.revision!r}, not {revision!r}")
+            raise precondition(f"namespace.revision: this server serves revision {b.revision!r}, not {shown(revision)}")
         if layout and layout != self._layout:
-            raise precondition(f"namespace.layout: this server's KV layout is {self._layout!r}, not {layout!r}")
+            raise precondition(f"namespace.layout: this server's KV layout is {self._layout!r}, not {shown(layout)}")
         if not tenant:
             return b
         if len(tenant.encode()) > MAX_TENANT_BYTES:
