@@ -5,7 +5,8 @@ carries STORED / REMOVED / TIER_CHANGED events numbered ``snapshot.sequence + 1,
 per server run; ``server_id`` changes when the node restarts). :meth:`KVIndex.apply` enforces that
 contract per node and answers what the feed must do next:
 
-* ``APPLIED`` / ``IGNORED`` (a duplicate, sequence already applied): keep reading;
+* ``APPLIED`` / ``IGNORED`` (a duplicate: a delta, or a snapshot part while in sync, whose sequence
+  is already applied): keep reading;
 * ``RESYNC``: a sequence gap, a delta before any snapshot, a delta from another server run or a
   snapshot interleaved with deltas. The node's entries have been dropped already (never route on a
   state known to be incomplete); the feed reconnects and the new stream's snapshot rebuilds them.
@@ -180,6 +181,10 @@ class KVIndex:
     def _snapshot_part(self, node: str, st: FeedState, ev: Event) -> Applied:
         if st.staging is not None and (ev.sequence != st.staging_seq or ev.server_id != st.staging_server):
             return self._resync(node, st)  # a new snapshot began before the last one finished
+        if st.staging is None and st.synced and ev.server_id == st.server_id and ev.sequence <= st.sequence:
+            # A repeated part (or an older snapshot) of this run: that state is applied already, and a lone
+            # part, taken for a whole snapshot, would replace the node's pages with a fraction of them.
+            return Applied.IGNORED
         if st.staging is None:
             st.staging, st.staging_seq, st.staging_server = [], ev.sequence, ev.server_id
         st.staging.extend(ev.runs)
