@@ -376,24 +376,35 @@ class HiCache:
         with self._lock:
             self._prefetch_inflight_bytes -= task.num_pages * self.layout.bytes_per_page
             self.metrics.prefetch_inflight_bytes.set(self._prefetch_inflight_bytes)
+            req.prefetch = None  # finished: its first n host pages are ours, inserted or freed below
             if n < task.num_pages:
                 self.metrics.prefetch_aborted.inc()
+            # The task's pages are keys[start:start + n] as they were when it began. The request may have
+            # committed other tokens since (fewer than it matched, then others): only the leading pages
+            # whose keys are still the request's are its pages.
+            start = req.prefetch_start
+            same = 0
+            while same < n and start + same < len(req.keys) and req.keys[start + same] == task.keys[same]:
+                same += 1
+            if same < n:
+                self.host_pool.allocator.free(task.host_pages[same:n])
+                n = same
             if n == 0:
-                req.prefetch = None
                 return 0
-            start = req.prefetch_start  # the task's pages are keys[start:start + its pages]
             end = start + n
-            res = self.tree.insert(req.ns.digest, req.token_bytes[: end * self.page_size * 4], req.keys[:end],
-                                   host=task.host_pages[:n], start_page=start)
+            try:
+                res = self.tree.insert(req.ns.digest, req.token_bytes[: end * self.page_size * 4], req.keys[:end],
+                                       host=task.host_pages[:n], start_page=start)
+            except BaseException:
+                self.host_pool.allocator.free(task.host_pages[:n])
+                raise
             if res is None:  # the prefix it hangs from was evicted meanwhile
                 self.host_pool.allocator.free(task.host_pages[:n])
-                req.prefetch = None
                 return 0
             dup = task.host_pages[:n][res.reused[start:end]]
             if len(dup):
                 self.host_pool.allocator.free(dup)
             self.metrics.prefetch_tokens.inc(n * self.page_size)
-            req.prefetch = None
             return n
 
     def load_back(self, req: Request, layer_wise: bool = True) -> LoadResult:

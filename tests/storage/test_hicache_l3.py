@@ -12,7 +12,7 @@ import pytest
 from hicache.cache import HiCache
 from hicache.storage.redis_backend import RedisBackend
 from hicache.storage.redis_local import LocalRedis
-from kvhelpers import commit_fresh, kv_equal, read_kv, serve, small_config
+from kvhelpers import commit_fresh, kv_equal, read_kv, serve, small_config, write_kv
 from storage.conftest import BACKENDS, needs_redis
 
 FAST_FAIL = {"timeout_s": 0.5, "connect_timeout_s": 0.2, "retry_attempts": 2, "retry_base_s": 0.005,
@@ -310,3 +310,50 @@ def test_close_keeps_to_its_grace_and_reports_what_the_store_holds(redis_single,
     stored = len(client.keys(f"{prefix}*"))
     assert rep.written_pages == stored < 12 and rep.written_pages + rep.pending_pages + rep.failed_pages == 12
     assert took < 5.0, took  # the grace, then the one batch in flight (held by the pause)
+
+
+@pytest.mark.parametrize("then", ["same", "other"])
+def test_a_prefetch_outlived_by_a_shorter_commit_lands_only_on_its_own_tokens(then: str) -> None:
+    """A request starts an L3 prefetch, then commits fewer tokens than it matched (and maybe other tokens
+    after them) before its load_back finishes the fetch. Fetched pages whose keys are no longer the
+    request's are freed, never inserted under its new tokens; the pools stay whole."""
+    from hicache.storage import StorageContext
+    from hicache.storage.memory import MemoryBackend
+
+    cfg = small_config(cache={"write_policy": "write_back"},  # commits stay on L1 only
+                       storage={"prefetch_policy": "wait_complete", "prefetch_threshold_tokens": 0})
+    store = MemoryBackend("memory://", StorageContext(cfg.namespace().digest, cfg.layout.to_layout()))
+    cache = HiCache(cfg, storage=store)
+    try:
+        prompt = list(range(1, 33))  # 8 pages
+        kv = commit_fresh(cache, prompt, seed=71)
+        cache.evict(l1_pages=8)  # write_back: to L2, then L3 by writeback
+        cache.flush(5)
+        cache.evict(l2_pages=8)
+        req = cache.match(prompt)
+        assert req.l3_pages == 8 and cache.prefetch(req) == 8
+        cache.commit(req, prompt[:3], np.empty(0, dtype=np.int64))  # no full page: the request is empty now
+        other = [t + 1000 for t in prompt] if then == "other" else prompt
+        pages = cache.alloc(req, 8)
+        other_kv = write_kv(cache, pages, 72)
+        cache.commit(req, other, pages)
+        load = cache.load_back(req)
+        if load.handle is not None:
+            load.wait()
+        assert len(load.device_indices) == 8
+        cache.release(req)
+        cache.evict(l1_pages=8)  # what is cached of `other` now comes from L2 (or not at all)
+        again = cache.match(other)
+        load = cache.load_back(again)
+        if load.handle is not None:
+            load.wait()
+        n = len(load.device_indices)
+        want = kv if then == "same" else other_kv
+        assert kv_equal(read_kv(cache, load.device_indices), [[t[:n] for t in row] for row in want])
+        cache.release(again)
+        cache.check_integrity()
+        cache.clear()
+        assert cache.host_pool.allocator.used_pages == 0 and cache.device_pool.allocator.used_pages == 0
+        assert cache._prefetch_inflight_bytes == 0
+    finally:
+        cache.close()
