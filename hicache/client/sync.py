@@ -2,7 +2,7 @@
 
     with HiCacheClient("127.0.0.1:50051") as c:
         m = c.match(tokens, request_id="r1")            # MatchResult; L1 prefix locked for "r1"
-        pages = c.allocate("r1", n_new_pages)            # np.int64 L1 pages owned by "r1" (n_new_pages >= 1)
+        pages = c.allocate("r1", n_new_pages)            # np.int64 L1 pages owned by "r1" (none for 0)
         ...                                              # compute KV into them (c.attach() maps the pool)
         c.commit("r1", tokens, np.concatenate([m.device_indices, pages]))
         c.release("r1")
@@ -149,7 +149,8 @@ class HiCacheClient:
     def allocate(self, request_id: str, num_pages: int, timeout_s: float | None = None) -> np.ndarray:
         """``num_pages`` L1 pages (int64) owned by the open request, evicting unlocked pages if needed.
 
-        NOT_FOUND: unknown or released id; INVALID_ARGUMENT: 0 pages or over the node's request limit;
+        0 pages give none (a prompt found whole on L1). NOT_FOUND: unknown or released id;
+        INVALID_ARGUMENT: over the node's request limit;
         RESOURCE_EXHAUSTED: L1 cannot free that many (the rest is locked).
         """
         r = self._call(self.stub.Allocate, pb.AllocateRequest(request_id=request_id, num_pages=num_pages), timeout_s,

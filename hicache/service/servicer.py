@@ -358,7 +358,10 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     @unary
     async def Allocate(self, request: pb.AllocateRequest, context: Ctx) -> pb.AllocateResponse:
         entry = self.table.get(request.request_id)
-        n = page_count(request.num_pages, self.max_pages)
+        # 0 pages (a prompt found whole on L1: nothing new to compute) gives none, as HiCache.alloc does
+        n = page_count(request.num_pages, self.max_pages, minimum=0)
+        if n == 0:
+            return pb.AllocateResponse()
         cache = self.cache
         free, evictable = cache.device_headroom()  # at most this much can be freed
         if n > free + evictable:  # pages of backups in flight free up once they end: wait for them

@@ -122,9 +122,9 @@ def page_indices(values: Sequence[int], num_pages: int, field: str = "device_ind
     return arr
 
 
-def page_count(n: int, limit: int, field: str = "num_pages") -> int:
-    if n < 1:
-        raise invalid(f"{field}: must be >= 1, got {n}")
+def page_count(n: int, limit: int, field: str = "num_pages", minimum: int = 1) -> int:
+    if n < minimum:
+        raise invalid(f"{field}: must be >= {minimum}, got {n}")
     if n > limit:
         raise invalid(f"{field}: {n} pages exceed the limit of {limit}")
     return n

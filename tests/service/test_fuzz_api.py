@@ -360,7 +360,7 @@ class Fuzzer:
         if self.strict and rid not in self.uncertain:
             if o is None:
                 assert code in (C.NOT_FOUND, C.INVALID_ARGUMENT), f"Allocate on closed {rid[:20]!r}: {code}"
-            elif not 1 <= n <= MAX_PAGES:
+            elif not 0 <= n <= MAX_PAGES:
                 assert code == C.INVALID_ARGUMENT, f"Allocate of {n} pages: {code}"
             else:
                 assert code in (C.OK, C.RESOURCE_EXHAUSTED), f"Allocate of {n} pages: {code}"
