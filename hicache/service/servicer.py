@@ -90,6 +90,8 @@ def _within_deadline(wait: float | None, context: Ctx) -> float | None:
     if wait is not None and wait >= threading.TIMEOUT_MAX:
         wait = None
     left = context.time_remaining()
+    if left is not None and left >= threading.TIMEOUT_MAX:  # a client's deadline centuries away
+        left = None
     if left is None:
         return wait
     left = max(0.0, left - DEADLINE_MARGIN_S)

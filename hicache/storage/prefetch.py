@@ -114,7 +114,7 @@ class PrefetchTask:
         return self._finished.is_set()
 
     def _end(self, wait_s: float | None) -> int:
-        if wait_s is None:
+        if wait_s is None or wait_s >= threading.TIMEOUT_MAX:  # longer than a thread can wait: no bound
             self._finished.wait()
         elif wait_s > 0:
             self._finished.wait(wait_s)

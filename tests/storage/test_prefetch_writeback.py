@@ -342,3 +342,18 @@ def test_close_abandons_the_rest_of_a_long_job_in_hand() -> None:
     assert 0 < rep.written_pages < 40
     assert got == [rep.written_pages]  # the caller learns how many were stored, once
     assert store.batch_exists(keys) == rep.written_pages
+
+
+def test_finish_with_a_wait_longer_than_any_thread_can_wait_is_no_bound() -> None:
+    """A policy bound beyond ``threading.TIMEOUT_MAX`` (a huge ``prefetch_timeout_max_s``) waits for the
+    whole fetch instead of raising OverflowError."""
+    store = SlowStore(delay_s=0.01)
+    keys, _ = filled(store, 4)
+    task, alloc, _dst = task_for(store, keys)
+    p = Prefetcher(workers=1)
+    try:
+        p.submit(task)
+        assert task.finish(1e300) == 4
+        alloc.free(task.host_pages[:4])
+    finally:
+        p.close()
