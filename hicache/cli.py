@@ -61,6 +61,15 @@ CUDA_LAUNCH_QUEUES = "4x"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; its exit code. Ctrl-C at any point after this module loaded (while a subcommand's
+    modules load too) ends with 130 and nothing on stderr."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", CUDA_QUEUES)
     os.environ.setdefault("CUDA_SCALE_LAUNCH_QUEUES", CUDA_LAUNCH_QUEUES)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -79,8 +88,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         print(f"hicache {args.command}: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
     except Exception as e:  # what a subcommand did not turn into its own message: one line, not a traceback
         if os.environ.get("HICACHE_DEBUG"):
             raise
@@ -107,7 +114,7 @@ def failure(e: BaseException) -> tuple[int, str]:
     text = (str(e).strip().splitlines() or [""])[0]
     name = type(e).__name__
     if isinstance(e, RuntimeError) and "bind" in text.lower():
-        return 2, f"{name}: {text} (is the port already in use?)"
+        return 2, f"{name}: {text} (is the port in use, or the host not an address of this machine?)"
     return (2 if isinstance(e, INPUT_ERRORS) else 1), f"{name}: {text}" if text else name
 
 

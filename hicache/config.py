@@ -59,6 +59,15 @@ class ConfigError(ValueError):
         self.field = field if field is not None else message.partition(":")[0].strip()
 
 
+def token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be a bearer token, or None: it travels in a gRPC metadata value, which holds
+    visible ASCII only (a token read from a file often ends in a newline). The reason never quotes it."""
+    if all("!" <= c <= "~" for c in token):
+        return None
+    return ("must be visible ASCII: no spaces, control characters (a trailing newline from a file?) or "
+            "non-ASCII characters")
+
+
 def _require(cond: bool, fieldname: str, allowed: str, value: Any) -> None:
     if not cond:
         raise ConfigError(f"{fieldname}: must be {allowed}, got {value!r}", fieldname)
@@ -220,6 +229,9 @@ class ServeConfig:
                  "a number >= 0", self.shutdown_grace_s)
         _require(self.max_message_bytes >= 1 << 20, "serve.max_message_bytes", ">= 1 MiB", self.max_message_bytes)
         _require(self.max_request_tokens >= 1, "serve.max_request_tokens", ">= 1", self.max_request_tokens)
+        why = token_problem(self.auth_token)
+        if why is not None:  # no client could send it: every call would be refused
+            raise ConfigError(f"serve.auth_token: {why}", "serve.auth_token")
         _require(bool(self.tls_cert) == bool(self.tls_key), "serve.tls_key", "set together with serve.tls_cert",
                  self.tls_key)
         # mTLS without TLS would serve plaintext while the operator believes clients are checked
@@ -436,25 +448,34 @@ def merge(base: Mapping[str, Any], *overlays: Mapping[str, Mapping[str, Any]]) -
     return out
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The sections of a YAML config file; :class:`ConfigError` in one line naming the file (and the line and
+    column of a YAML syntax error) when it cannot be read, is not UTF-8 text, is not YAML or is not a mapping."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {e.start})") from None
+    try:
+        loaded = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise ConfigError(f"config file {where}: not valid YAML ({problem})") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping of sections")
+    return loaded
+
+
 def load_config(
     path: str | Path | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> HiCacheConfig:
     """YAML file (optional) < environment ``HICACHE_<SECTION>__<FIELD>`` < explicit ``overrides``."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ConfigError(f"config file {path}: {e.strerror}") from None
-        try:
-            loaded = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path}: not valid YAML ({e})") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path}: top level must be a mapping of sections")
-        data = loaded
+    data = read_config_file(path) if path is not None else {}
     env = os.environ if env is None else env
     try:
         return config_from_dict(merge(data, env_overrides(env), overrides or {}))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +33,7 @@ from rich.table import Table
 
 from hicache.bench.errors import BenchInputError
 from hicache.bench.units import parse_size
-from hicache.config import CacheConfig
+from hicache.config import PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
 
 PROG = "hicache bench"
 
@@ -140,9 +141,32 @@ def prefill_rate(args: argparse.Namespace, console: Console | None = None) -> fl
     return rate
 
 
+def check_request_flags(args: argparse.Namespace) -> None:
+    """Refuse flags that the requests asked for would ignore: ``--limit`` and ``--format`` without a trace,
+    ``--plant`` with one (it plants into generated prompts only)."""
+    if not args.trace:
+        if args.limit is not None:
+            raise BenchInputError("--limit: applies to --trace only (a workload's size is --requests)")
+        if args.trace_format != "auto":
+            raise BenchInputError(f"--format {args.trace_format}: applies to --trace only")
+    elif args.plant:
+        raise BenchInputError("--plant: plants a span into generated workload prompts; a --trace is replayed as is")
+
+
+def check_policies(args: argparse.Namespace) -> None:
+    """``--write-policy`` and ``--prefetch-policy`` among the cache's, refused naming the flag."""
+    for flag, dest, known in (("--write-policy", "write_policy", WRITE_POLICIES),
+                              ("--prefetch-policy", "prefetch_policy", PREFETCH_POLICIES)):
+        value = getattr(args, dest, None)  # hicache doctor has neither
+        if value is not None and value not in known:
+            raise BenchInputError(f"{flag}: unknown policy {value!r}; known: {', '.join(known)}")
+
+
 def options(args: argparse.Namespace, console: Console | None = None) -> Any:
     from hicache.bench.run import BenchOptions
 
+    check_request_flags(args)
+    check_policies(args)
     return BenchOptions(
         workload=args.workload, trace=args.trace, trace_format=args.trace_format, requests=args.requests,
         limit=args.limit, seed=args.seed, plant=args.plant, tokenizer=args.tokenizer,
@@ -179,6 +203,7 @@ def run_policy_table(args: argparse.Namespace, console: Console) -> int:
     from hicache.bench.policy_table import TARGET_RATIO, policy_table
     from hicache.bench.run import BenchOptions, load_requests
 
+    check_request_flags(args)
     default = CacheConfig.eviction_policy
     policies = list(dict.fromkeys(["lru", default, args.eviction_policy]))
     traces = []
@@ -215,20 +240,27 @@ OUTPUT_FILES = ("result.json", "requests.csv", "curve.csv", "hit_rate.png")  # w
 
 
 def check_outputs(trace: str | None, json_path: str | None, out_dir: str | None = None) -> None:
-    """Refuse output paths that would overwrite the trace being read, or a --out that is a file
+    """Refuse output paths that would overwrite the trace being read, a --out that is a file, or a place
+    that cannot be written (a file where a folder is needed, a folder without write permission)
     (:class:`BenchInputError`), before any work is done."""
     src = Path(trace).resolve() if trace else None
-    outs = [Path(json_path)] if json_path else []
+    outs = [("--json", Path(json_path))] if json_path else []
     if out_dir:
         d = Path(out_dir)
         if d.exists() and not d.is_dir():
             raise BenchInputError(f"--out {out_dir}: exists and is not a directory")
-        outs += [d / f for f in OUTPUT_FILES]
-    for p in outs:
+        outs += [("--out", d / f) for f in OUTPUT_FILES]
+    for flag, p in outs:
         if src is not None and p.resolve() == src:
             raise BenchInputError(f"{p}: is the trace being read; write the results elsewhere")
         if p.is_dir():
             raise BenchInputError(f"{p}: is a directory, not a file to write")
+        # the folder that exists on the way to p is where the first file or folder is made
+        base = next((a for a in p.parents if a.exists()), Path("."))
+        if not base.is_dir():
+            raise BenchInputError(f"{flag} {p}: {base} is a file, not a directory")
+        if not os.access(p if p.exists() else base, os.W_OK):
+            raise BenchInputError(f"{flag} {p}: cannot write in {base} (permission denied)")
 
 
 def run(args: argparse.Namespace) -> int:

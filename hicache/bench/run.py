@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -32,7 +33,7 @@ from hicache.bench.tokenizer import WordTokenizer, load_tokenizer
 from hicache.bench.traces import MOONCAKE_BLOCK, is_mooncake, load_trace
 from hicache.bench.units import Size, parse_size
 from hicache.bench.workloads import TraceRequest, WorkloadSpec, generate
-from hicache.config import CacheConfig, HiCacheConfig, LayoutConfig, ModelConfig, StorageConfig
+from hicache.config import CacheConfig, ConfigError, HiCacheConfig, LayoutConfig, ModelConfig, StorageConfig
 from hicache.eviction import policy_names
 from hicache.layout import KVLayout
 
@@ -165,6 +166,21 @@ def storage_url(l3: str) -> Iterator[tuple[str, str]]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def open_l3(target: str, cfg: HiCacheConfig, url: str) -> Target:
+    """:func:`open_target`, with an L3 URL the store's backend cannot open (no host, a port out of range, a
+    bucket that does not resolve) as a :class:`BenchInputError` naming ``--l3`` (without its password)."""
+    try:
+        return open_target(target, cfg)
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as e:
+        if not url:
+            raise
+        hide = re.compile(r"(://)[^/\s]*@")  # user:password@
+        why = hide.sub(r"\1<hidden>@", (str(e).strip().splitlines() or [type(e).__name__])[0])
+        raise BenchInputError(f"--l3 {hide.sub('://', url).partition('?')[0]}: cannot open the store ({why})") from None
+
+
 def check_store(target: Target) -> None:
     """Refuse to replay against an L3 that does not answer (its hit rate would read 0%, silently):
     :class:`BenchInputError` naming ``--l3`` and the reason; closes ``target`` first."""
@@ -295,13 +311,17 @@ def run_bench(opts: BenchOptions, wl: Workload | None = None,
     l2 = remote.l2_tokens if remote else opts.l2.to_tokens(bpt, ws) // ps * ps
     if l1 < ps:
         raise BenchInputError(f"--l1: {opts.l1.describe()} is less than one page of {ps} tokens")
+    # the replay fills no more than every distinct page plus one request's: a larger L1 or L2 replays the
+    # same, so its pools stop there (--l1 100g on a small trace would otherwise ask for 200 GB)
+    room = ws + max((len(r.tokens) + len(r.output) for r in reqs), default=0) // ps * ps + ps
     with storage_url("none" if remote else opts.l3) as (url, l3_desc):
         if remote:
             target: Target = remote
             l3_desc = "the node's"
         else:
-            cfg = replay_config(ps, l1, l2, url, opts.write_policy, opts.eviction_policy, opts.prefetch_policy)
-            target = open_target(opts.target, cfg)
+            cfg = replay_config(ps, min(l1, room), min(l2, room), url, opts.write_policy, opts.eviction_policy,
+                                opts.prefetch_policy)
+            target = open_l3(opts.target, cfg, url)
             check_store(target)
         try:
             if opts.clear:

@@ -26,6 +26,8 @@ import grpc
 from hicache.address import PORT_RANGE, AddressError, normalize_address
 from hicache.client._common import ChannelSettings
 from hicache.client.types import Stats
+from hicache.config import ConfigError, token_problem
+from hicache.preflight import check_pem_file
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
@@ -193,7 +195,18 @@ def run(args: argparse.Namespace) -> int:
     if args.count is not None and (args.count < 1 or args.watch is None):
         print("hicache status: --count: needs --watch and a count >= 1", file=sys.stderr)
         return 2
-    probe = Probe(target, os.environ.get(args.token_env, ""), args.tls_ca or "", args.timeout)
+    token = os.environ.get(args.token_env, "")
+    why = token_problem(token)
+    if why is not None:
+        print(f"hicache status: {args.token_env}: {why}", file=sys.stderr)
+        return 2
+    if args.tls_ca:
+        try:
+            check_pem_file(args.tls_ca, "--tls-ca")
+        except ConfigError as e:
+            print(f"hicache status: {e}", file=sys.stderr)
+            return 2
+    probe = Probe(target, token, args.tls_ca or "", args.timeout)
     prev: Any = None
     t_prev = 0.0
     n = 0

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
-from hicache.config import ConfigError
+from hicache.config import ConfigError, blame_env
+from hicache.preflight import check_host, check_pem_file
 from hicache.router.config import check_nodes, load_router_config, parse_node
 from hicache.router.scoring import policy_names
 
@@ -88,10 +90,18 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as e:
             print(f"hicache route: {e}", file=sys.stderr)
             return 2
-    config, rconfig = load_router_config(args.config, overrides=overrides_from_args(args))
+    overrides = overrides_from_args(args)
+    config, rconfig = load_router_config(args.config, overrides=overrides)
     if not rconfig.nodes:
         print("hicache route: no nodes: pass --node NAME=host:port (or router.nodes in --config)", file=sys.stderr)
         return 2
+    try:  # what this machine must offer (hicache.preflight)
+        check_host(rconfig.host, "router.host")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "node_tls_ca", "node_client_cert", "node_client_key"):
+            if getattr(rconfig, name):
+                check_pem_file(getattr(rconfig, name), f"router.{name}")
+    except ConfigError as e:
+        raise blame_env(e, os.environ, overrides) from None
     from hicache.router.server import run as run_server
 
     return run_server(config, rconfig)

@@ -18,6 +18,7 @@ Precedence: the YAML file < environment ``HICACHE_<SECTION>__<FIELD>`` (``HICACH
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import typing
@@ -26,10 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import yaml
-
 from hicache.address import PORT_RANGE, AddressError, normalize_address
-from hicache.config import ConfigError, HiCacheConfig, _coerce, blame_env, config_from_dict, env_overrides, merge
+from hicache.config import (
+    ConfigError,
+    HiCacheConfig,
+    _coerce,
+    blame_env,
+    config_from_dict,
+    env_overrides,
+    merge,
+    read_config_file,
+    token_problem,
+)
 from hicache.router.scoring import ScoringParams, policy_names
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -112,13 +121,26 @@ class RouterConfig:
             raise ConfigError(f"router.metrics_port: must be in [0, 65535], got {self.metrics_port}")
         if self.policy not in policy_names():
             raise ConfigError(f"router.policy: must be one of {policy_names()}, got {self.policy!r}")
+        # NaN passes every comparison below, and an infinite time never elapses: both are refused
+        for f in ("load_weight", "l2_weight", "min_prefix_score", "balance_abs_threshold", "balance_rel_threshold",
+                  "breaker_max_cooldown_s"):
+            if not math.isfinite(getattr(self, f)):
+                raise ConfigError(f"router.{f}: must be a finite number, got {getattr(self, f)!r}")
         for f in ("route_ttl_s", "stats_interval_s", "breaker_cooldown_s", "reconnect_max_s", "shutdown_grace_s"):
-            if getattr(self, f) <= 0:
-                raise ConfigError(f"router.{f}: must be > 0, got {getattr(self, f)!r}")
+            if not (math.isfinite(getattr(self, f)) and getattr(self, f) > 0):
+                raise ConfigError(f"router.{f}: must be a finite number > 0, got {getattr(self, f)!r}")
         if self.breaker_failures < 1:
             raise ConfigError(f"router.breaker_failures: must be >= 1, got {self.breaker_failures}")
+        if self.event_queue < 0:
+            raise ConfigError(f"router.event_queue: must be >= 0 (0: the node's default), got {self.event_queue}")
+        if self.max_request_tokens < 1:
+            raise ConfigError(f"router.max_request_tokens: must be >= 1, got {self.max_request_tokens}")
         if self.breaker_max_cooldown_s < self.breaker_cooldown_s:
             raise ConfigError("router.breaker_max_cooldown_s: must be >= breaker_cooldown_s")
+        for f in ("auth_token", "node_token"):
+            why = token_problem(getattr(self, f))
+            if why is not None:
+                raise ConfigError(f"router.{f}: {why}", f"router.{f}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("router.tls_key: set together with router.tls_cert")
         try:
@@ -156,17 +178,7 @@ def router_config_from_dict(values: Mapping[str, Any]) -> RouterConfig:
 def load_router_config(path: str | Path | None = None, env: Mapping[str, str] | None = None,
                        overrides: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[HiCacheConfig, RouterConfig]:
     """(the nodes' namespace config, the router's own), from YAML < environment < ``overrides``."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as e:
-            raise ConfigError(f"config file {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path}: not valid YAML ({e})") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path}: top level must be a mapping of sections")
-        data = loaded
+    data = read_config_file(path) if path is not None else {}
     env = os.environ if env is None else env
     try:
         merged = merge(data, env_overrides(env), overrides or {})

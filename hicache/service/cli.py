@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 from typing import Any
 
-from hicache.config import ConfigError, load_config
+from hicache.config import ConfigError, HiCacheConfig, blame_env, load_config
+from hicache.preflight import check_device, check_host, check_l1_fits, check_pem_file
 
 # flag dest -> (section, field)
 _FLAGS: dict[str, tuple[str, str]] = {
@@ -80,12 +83,30 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return out
 
 
+def preflight(config: HiCacheConfig, overrides: dict[str, dict[str, Any]]) -> None:
+    """What this machine must offer the config (:mod:`hicache.preflight`); :class:`ConfigError` naming the
+    field, or the environment variable that set it."""
+    s = config.serve
+    try:
+        check_host(s.host, "serve.host")
+        check_device(config.cache.device)
+        check_l1_fits(config)
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            if getattr(s, name):
+                check_pem_file(getattr(s, name), f"serve.{name}")
+    except ConfigError as e:
+        raise blame_env(e, os.environ, overrides) from None
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = load_config(args.config, overrides=overrides_from_args(args))
+    overrides = overrides_from_args(args)
+    config = load_config(args.config, overrides=overrides)
+    # NaN passes "> 0" and would keep every abandoned request (and its pages) forever, as inf says to
+    if not (math.isfinite(args.request_ttl_s) and args.request_ttl_s > 0):
+        raise ConfigError(f"--request-ttl-s: must be a finite number > 0, got {args.request_ttl_s}")
+    preflight(config, overrides)
     from hicache.service.server import run as run_server
 
-    if args.request_ttl_s <= 0:
-        raise ConfigError(f"--request-ttl-s: must be > 0, got {args.request_ttl_s}")
     return run_server(config, request_ttl_s=args.request_ttl_s)

@@ -41,7 +41,10 @@ class MetricsServer:
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
         self._server: WSGIServer
         self._thread: threading.Thread
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:  # say which port: a node or router binds two (a port in use would not say)
+            raise OSError(e.errno, e.strerror, f"metrics http://{host}:{port}") from None
 
     @property
     def port(self) -> int:

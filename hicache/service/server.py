@@ -82,18 +82,26 @@ class NodeServer:
 
     async def start(self) -> None:
         cfg = self.config
-        s = cfg.serve
-        loop = asyncio.get_running_loop()
-        if s.shared_pool:
+        if cfg.serve.shared_pool:
             self.shared = SharedPool(cfg.layout.to_layout(), cfg.l1_pages, cfg.cache.device)
         try:
             self.cache = HiCache(cfg, storage=self._storage,
                                  device_pool=self.shared.pool if self.shared is not None else None)
-        except BaseException:
+            await self._start_serving()
+        except BaseException:  # a port in use, a bad certificate: release what was built (the shared memory)
+            if self._metrics_http is not None:
+                self._metrics_http.close()
+            if self.cache is not None:
+                self.cache.close()
             if self.shared is not None:
                 self.shared.close()
             raise
-        self.hub = EventHub(loop, self.server_id)
+
+    async def _start_serving(self) -> None:
+        cfg = self.config
+        s = cfg.serve
+        assert self.cache is not None
+        self.hub = EventHub(asyncio.get_running_loop(), self.server_id)
         self.cache.add_listener(self.hub.on_tree_event)
         self.metrics = ServiceMetrics(self.cache.metrics.registry)
         self.servicer = HiCacheServicer(self.cache, s, self.metrics, self.hub, self.shared, self.request_ttl_s)
