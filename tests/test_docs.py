@@ -174,6 +174,13 @@ def test_help_texts_state_the_parsers_defaults() -> None:
     assert checked >= 15
 
 
+def test_help_texts_carry_no_docstring_markup() -> None:
+    """Descriptions are module docstrings (reStructuredText): ``--help`` prints them plain."""
+    for name in SUBCOMMANDS:
+        text = subparser(name).format_help()
+        assert not re.search(r"``|:(mod|func|class|meth|attr):`", text), f"hicache {name} --help:\n{text}"
+
+
 # --- Configuration ---------------------------------------------------------------------------------------------
 
 CONFIG = section(README, "Configuration")

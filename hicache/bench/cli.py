@@ -34,6 +34,7 @@ from rich.table import Table
 from hicache.bench.errors import BenchInputError
 from hicache.bench.units import parse_size
 from hicache.config import PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
+from hicache.helptext import HelpFormatter
 
 PROG = "hicache bench"
 
@@ -61,7 +62,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "bench", help="measure the prefix-cache hit rate of a workload or trace",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__, formatter_class=HelpFormatter)
     add_common(p)
     g = p.add_argument_group("cache")
     g.add_argument("--l2", default="25%", help="L2 capacity, same units as --l1; 0 disables L2 (default: 25%%)")

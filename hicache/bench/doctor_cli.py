@@ -27,6 +27,7 @@ from hicache.bench.doctor import DoctorReport, run_doctor
 from hicache.bench.errors import BenchInputError
 from hicache.bench.optimal import page_trace
 from hicache.bench.tokenizer import WordTokenizer
+from hicache.helptext import HelpFormatter
 
 PROG = "hicache doctor"
 
@@ -34,7 +35,7 @@ PROG = "hicache doctor"
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "doctor", help="find what in the prompts breaks prefix reuse",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__, formatter_class=HelpFormatter)
     add_common(p)
     p.add_argument("--json", metavar="PATH", help="write the diagnosis as JSON here")
     return p

@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from hicache.config import ConfigError, blame_env
+from hicache.helptext import HelpFormatter
 from hicache.preflight import check_host, check_pem_file
 from hicache.router.config import check_nodes, load_router_config, parse_node
 from hicache.router.scoring import policy_names
@@ -47,7 +48,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "route", help="run the cache-aware router over node services", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--node", action="append", metavar="NAME=HOST:PORT", default=None,
                    help="a node service (repeat for each node)")
     p.add_argument("--config", metavar="FILE", help="YAML config (model, layout and router sections)")

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from hicache.config import ConfigError, HiCacheConfig, blame_env, load_config
+from hicache.helptext import HelpFormatter
 from hicache.preflight import check_device, check_host, check_l1_fits, check_pem_file
 
 # flag dest -> (section, field)
@@ -45,7 +46,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "serve", help="run the gRPC node service", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--config", metavar="FILE", help="YAML config (sections model, layout, cache, storage, serve)")
     g = p.add_argument_group("overrides (win over the file and the environment)")
     g.add_argument("--host")
