@@ -1,11 +1,29 @@
-"""hicache: a three-tier KV cache (GPU radix cache, pinned host memory, distributed store) for LLM serving."""
+"""hicache: a three-tier KV cache (GPU radix cache, pinned host memory, distributed store) for LLM serving.
 
-from hicache.cache import CacheFullError, CommitResult, HiCache, LoadResult, Request
-from hicache.config import ConfigError, HiCacheConfig, load_config
-from hicache.keys import Namespace, page_keys
-from hicache.layout import KVLayout
+The names below are loaded on first use (:pep:`562`), so ``import hicache.config`` or the ``hicache``
+command's start does not pay for torch until something needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "CacheFullError": "hicache.cache",
+    "CommitResult": "hicache.cache",
+    "HiCache": "hicache.cache",
+    "LoadResult": "hicache.cache",
+    "Request": "hicache.cache",
+    "ConfigError": "hicache.config",
+    "HiCacheConfig": "hicache.config",
+    "load_config": "hicache.config",
+    "Namespace": "hicache.keys",
+    "page_keys": "hicache.keys",
+    "KVLayout": "hicache.layout",
+}
 
 __all__ = [
     "CacheFullError",
@@ -21,3 +39,22 @@ __all__ = [
     "load_config",
     "page_keys",
 ]
+
+if TYPE_CHECKING:
+    from hicache.cache import CacheFullError, CommitResult, HiCache, LoadResult, Request
+    from hicache.config import ConfigError, HiCacheConfig, load_config
+    from hicache.keys import Namespace, page_keys
+    from hicache.layout import KVLayout
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hicache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

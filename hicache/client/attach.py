@@ -17,13 +17,16 @@ import contextlib
 import socket
 from multiprocessing import resource_tracker, shared_memory
 from types import TracebackType
-
-import torch
+from typing import TYPE_CHECKING
 
 from hicache.client.types import PoolInfo
 from hicache.hostid import host_id
 from hicache.layout import KVLayout
-from hicache.pool import DevicePool
+
+if TYPE_CHECKING:  # torch is imported by attach_pool only: a client that never attaches does without it
+    import torch
+
+    from hicache.pool import DevicePool
 
 
 class AttachedPool:
@@ -61,6 +64,10 @@ class AttachedPool:
 
 def attach_pool(info: PoolInfo) -> AttachedPool:
     """Map the pool described by an Attach reply. ``ValueError`` when it cannot be mapped from here."""
+    import torch
+
+    from hicache.pool import DevicePool
+
     m = info.raw
     kind = m.WhichOneof("handle")
     if kind is None:

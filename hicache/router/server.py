@@ -29,10 +29,9 @@ from hicache.router.breaker import status_from_number
 from hicache.router.config import RouterConfig
 from hicache.router.core import NoNodeError, RouteDecision, Router
 from hicache.router.feed import NodeFeed
-from hicache.service.auth import BearerTokenInterceptor
+from hicache.service.auth import BearerTokenInterceptor, server_credentials
 from hicache.service.decode import DecodeGuard
 from hicache.service.metrics_http import RPC_BUCKETS, MetricsServer
-from hicache.service.server import server_credentials
 from hicache.service.validation import NamespaceResolver, ServiceError, token_bytes
 
 log = logging.getLogger("hicache.router")

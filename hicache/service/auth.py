@@ -1,4 +1,5 @@
-"""Bearer-token authentication: every RPC must carry ``authorization: Bearer <token>`` metadata.
+"""Who may call: bearer-token authentication (every RPC must carry ``authorization: Bearer <token>``
+metadata) and the TLS / mTLS credentials of a server.
 
 Calls without it (or with another token) end with UNAUTHENTICATED before any handler runs. The standard
 health service stays open so load balancers and Kubernetes probes need no secret.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -56,3 +58,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
                     return handler
                 break
         return _deny(handler)
+
+
+def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCredentials:
+    """TLS with ``cert``/``key``; with ``client_ca`` clients must present a certificate it signed (mTLS)."""
+    ca = Path(client_ca).read_bytes() if client_ca else None
+    return grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())],
+                                       root_certificates=ca, require_client_auth=ca is not None)

@@ -21,7 +21,6 @@ import gc
 import logging
 import signal
 import uuid
-from pathlib import Path
 
 import grpc
 
@@ -29,7 +28,7 @@ from hicache.cache import HiCache
 from hicache.config import HiCacheConfig
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
-from hicache.service.auth import BearerTokenInterceptor
+from hicache.service.auth import BearerTokenInterceptor, server_credentials
 from hicache.service.decode import DecodeGuard
 from hicache.service.events import EventHub
 from hicache.service.metrics_http import MetricsServer, ServiceMetrics
@@ -51,13 +50,6 @@ try:
 except ImportError:  # pragma: no cover - grpcio-reflection missing
     reflection = None  # type: ignore[assignment]
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HiCache"].full_name
-
-
-def server_credentials(cert: str, key: str, client_ca: str) -> grpc.ServerCredentials:
-    """TLS with ``cert``/``key``; with ``client_ca`` clients must present a certificate it signed (mTLS)."""
-    ca = Path(client_ca).read_bytes() if client_ca else None
-    return grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())],
-                                       root_certificates=ca, require_client_auth=ca is not None)
 
 
 STORAGE_PROBE_S = 15.0  # how often a node checks that its L3 store answers (hicache_storage_up)
