@@ -37,8 +37,15 @@ Failure model: every operation is retried on transient errors (connection, timeo
 counted, the operation reports a miss / nothing stored, and a circuit breaker keeps later operations off
 the store until a call succeeds (:mod:`hicache.storage.retry`). Other errors are counted and reported
 the same way but leave the breaker closed. Nothing raises into the caller. Connections are
-re-established by themselves when the store returns; a Cluster's slot map is refreshed after redirects
-and errors.
+re-established by themselves when the store returns; a Cluster's slot map is refreshed after errors.
+
+Cluster redirections are followed within the call, page by page: a ``MOVED`` reply (the slot has a new
+owner: a resharding, a failover) updates the slot map and the page is sent to the new owner; an ``ASK``
+reply (the slot is being migrated and the page is, or will be, on the importing node) sends the page
+there once, preceded by ``ASKING``. Each page keeps its place in the batch and its host page; a page
+still redirected after a few rounds fails the batch like any transient error (retried after a refresh of
+the slot map). A redirection is not an error: it is counted in ``extra["redirects"]`` (pages) and, as
+the operation goes out again, in ``extra["retries"]`` (once per round).
 """
 
 from __future__ import annotations
@@ -67,14 +74,21 @@ from hicache.storage.threads import io_pool
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-OK, MISS, CORRUPT = 0, 1, 2
+OK, MISS, CORRUPT, REDIRECT = 0, 1, 2, 3
+_MAX_REDIRECTS = 5  # rounds of MOVED / ASK within one call before it fails as a transient error
 _TRANSIENT_REPLIES = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "MASTERDOWN", "READONLY", "BUSY")
+# What redis-py (the ``pipeline`` wire) makes of those replies: MovedError is an AskError,
+# MasterDownError a ClusterDownError, BusyLoadingError a ConnectionError.
+_TRANSIENT_CLASSES = (redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,
+                      redis.exceptions.ReadOnlyError)
 
 
 def is_transient(e: BaseException) -> bool:
     """Errors worth a retry (and that mean the store, not the caller, is in trouble)."""
     if isinstance(e, ReplyError):
         return e.kind in _TRANSIENT_REPLIES
+    if isinstance(e, _TRANSIENT_CLASSES):  # redis-py drops the reply's first word from these
+        return True
     if isinstance(e, redis.exceptions.ResponseError):
         return str(e).split(" ", 1)[0] in _TRANSIENT_REPLIES
     return isinstance(e, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
@@ -93,6 +107,27 @@ def _moved(e: BaseException | None) -> redis.exceptions.MovedError | None:
             except ValueError:
                 return None
     return None
+
+
+def _redirection(e: BaseException) -> redis.exceptions.AskError | None:
+    """The redirection in a ``MOVED`` (a :class:`~redis.exceptions.MovedError`) or ``ASK`` reply
+    (an :class:`~redis.exceptions.AskError`), ours or redis-py's; None for any other error."""
+    if isinstance(e, redis.exceptions.AskError):  # MovedError is one too
+        return e
+    if isinstance(e, ReplyError):
+        parts = str(e.args[0] if e.args else "").split(" ")
+        if len(parts) == 3 and parts[0] in ("MOVED", "ASK"):
+            cls = redis.exceptions.MovedError if parts[0] == "MOVED" else redis.exceptions.AskError
+            try:
+                return cls(f"{parts[1]} {parts[2]}")
+            except ValueError:
+                return None
+    return None
+
+
+def _as_reply(r: redis.exceptions.AskError) -> ReplyError:
+    kind = "MOVED" if isinstance(r, redis.exceptions.MovedError) else "ASK"
+    return ReplyError(f"{kind} {r.slot_id} {r.host}:{r.port}")
 
 
 def _wrong_type(e: BaseException) -> bool:
@@ -115,6 +150,7 @@ class _Item:
     rkey: bytes  # Redis key
     key: bytes  # page key
     page: int  # host page index
+    redirect: redis.exceptions.AskError | None = None  # the last MOVED / ASK reply to this page
 
 
 @register_backend("redis", "rediss", "redis+sentinel", "rediss+sentinel", "redis+cluster", "rediss+cluster")
@@ -197,29 +233,70 @@ class RedisBackend(StorageBackend):
             g[1].append(it)
         return list(groups.values())
 
-    def _scatter(self, items: list[_Item], node_fn: Callable[[redis.Redis, list[_Item]], list[int]]) -> list[int]:
-        """Run ``node_fn`` per node (in parallel when there are several); results by batch position."""
+    def _redirect(self, items: list[_Item]) -> list[tuple[redis.Redis, list[_Item], bool]]:
+        """Where the pages a node redirected go next: (client, pages, asking) per node. A ``MOVED`` moves
+        the slot in the map; an ``ASK`` does not (it holds for this one command)."""
+        first = items[0].redirect
+        assert first is not None
+        if self._cluster is None:  # one instance does not redirect: a node of a Cluster used as one
+            raise _as_reply(first)
+        nm = self._cluster.nodes_manager
+        groups: dict[tuple[str, bool], tuple[redis.Redis, list[_Item], bool]] = {}
+        for it in items:
+            r = it.redirect
+            assert r is not None
+            asking = not isinstance(r, redis.exceptions.MovedError)
+            if not asking:
+                nm.move_slot(r)
+            node = nm.get_node(host=r.host, port=r.port)
+            if node is None or node.redis_connection is None:  # a node the map does not know yet
+                self._refresh()
+                node = nm.get_node(host=r.host, port=r.port)
+                if node is None or node.redis_connection is None:
+                    raise _as_reply(r)
+            g = groups.get((node.name, asking))
+            if g is None:
+                g = groups[(node.name, asking)] = (node.redis_connection, [], asking)
+            g[1].append(it)
+        self._count_extra("redirects", len(items))  # pages
+        self._count_extra("retries")  # the operation went out again (to other nodes)
+        return list(groups.values())
 
-        def fn(client: redis.Redis, its: list[_Item]) -> list[int]:
+    def _scatter(self, items: list[_Item], node_fn: Callable[[redis.Redis, list[_Item], bool], list[int]]) -> list[int]:
+        """Run ``node_fn`` per node (in parallel when there are several), then again for the pages a node
+        redirected (``MOVED`` / ``ASK``) on the nodes named; results by batch position."""
+        out = [MISS] * len(items)
+        groups = [(client, its, False) for client, its in self._route(items)]
+        for _ in range(_MAX_REDIRECTS + 1):
+            self._scatter_once(groups, node_fn, out)
+            again = [it for _, its, _ in groups for it in its if out[it.pos] == REDIRECT]
+            if not again:
+                return out
+            groups = self._redirect(again)
+        r = again[0].redirect
+        assert r is not None
+        raise _as_reply(r)  # transient: retried after a refresh
+
+    def _scatter_once(self, groups: list[tuple[redis.Redis, list[_Item], bool]],
+                      node_fn: Callable[[redis.Redis, list[_Item], bool], list[int]], out: list[int]) -> None:
+        def fn(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
             if not self._slots.acquire(timeout=self.opts.timeout_s):  # every connection busy for a timeout
                 raise TimeoutError("redis: no free connection")
             try:
-                return node_fn(client, its)  # one connection per node call
+                return node_fn(client, its, asking)  # one connection per node call
             finally:
                 self._slots.release()
 
-        groups = self._route(items)
-        out = [MISS] * len(items)
         if len(groups) == 1:
-            client, its = groups[0]
-            for it, r in zip(its, fn(client, its), strict=True):
+            client, its, asking = groups[0]
+            for it, r in zip(its, fn(client, its, asking), strict=True):
                 out[it.pos] = r
-            return out
+            return
         if self._nodes_pool is None:
             with self._cluster_lock:
                 if self._nodes_pool is None:
                     self._nodes_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="hicache-redis-node")
-        futs = [(its, self._nodes_pool.submit(fn, client, its)) for client, its in groups]
+        futs = [(its, self._nodes_pool.submit(fn, client, its, asking)) for client, its, asking in groups]
         err: BaseException | None = None
         for its, f in futs:
             try:
@@ -229,9 +306,9 @@ class RedisBackend(StorageBackend):
                 err = err or e
         if err is not None:
             raise err
-        return out
 
-    def _run(self, items: list[_Item], fn: Callable[[redis.Redis, list[_Item]], list[int]]) -> list[int] | None:
+    def _run(self, items: list[_Item],
+             fn: Callable[[redis.Redis, list[_Item], bool], list[int]]) -> list[int] | None:
         """One batched operation with retries and the breaker; None when the store failed."""
         if not items:
             return []
@@ -298,25 +375,73 @@ class RedisBackend(StorageBackend):
             if e.kind in _TRANSIENT_REPLIES:
                 raise e
 
+    @staticmethod
+    def _redirected(it: _Item, e: BaseException) -> bool:
+        """Is ``e`` a ``MOVED`` / ``ASK`` reply to page ``it``? (Then it is noted on the page.)"""
+        r = _redirection(e)
+        if r is None:
+            return False
+        it.redirect = r
+        return True
+
+    @staticmethod
+    def _read_asking(rd: RespReader, errs: list[ReplyError]) -> None:
+        """The ``+OK`` to the ``ASKING`` sent before a redirected command."""
+        r = rd.read_reply_or_error()
+        if isinstance(r, ReplyError):
+            errs.append(r)
+
+    @staticmethod
+    def _drop_asking(res: list[Any], asking: bool) -> list[Any]:
+        """A pipeline's replies without those to the ``ASKING`` commands before each command."""
+        if not asking:
+            return res
+        for r in res[0::2]:
+            if isinstance(r, Exception):
+                raise r
+        return res[1::2]
+
     # ------------------------------------------------------------------ exists / delete
-    def _ints(self, cmd: bytes) -> Callable[[redis.Redis, list[_Item]], list[int]]:
-        def node(client: redis.Redis, its: list[_Item]) -> list[int]:
+    def _ints(self, cmd: bytes) -> Callable[[redis.Redis, list[_Item], bool], list[int]]:
+        def node(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
             if self.opts.wire == "pipeline":
                 p = client.pipeline(transaction=False)
                 for it in its:
+                    if asking:
+                        p.execute_command("ASKING")
                     p.execute_command(cmd.decode(), it.rkey)
-                res = p.execute(raise_on_error=False)
-                for r in res:
+                res = self._drop_asking(p.execute(raise_on_error=False), asking)
+                out = []
+                for it, r in zip(its, res, strict=True):
                     if isinstance(r, Exception):
-                        raise r
-                return [int(r) for r in res]
+                        if not self._redirected(it, r):
+                            raise r
+                        out.append(REDIRECT)
+                    else:
+                        out.append(int(r))
+                return out
+
+            ask = pack(b"ASKING") if asking else b""
 
             def io(conn: Any, sock: Any) -> list[int]:
-                conn.send_packed_command([b"".join(pack(cmd, it.rkey) for it in its)], check_health=False)
+                conn.send_packed_command([b"".join(ask + pack(cmd, it.rkey) for it in its)], check_health=False)
                 rd = RespReader(sock)
-                out = [rd.read_int() for _ in its]
+                out: list[int] = []
+                errs: list[ReplyError] = []
+                for it in its:
+                    if asking:
+                        self._read_asking(rd, errs)
+                    try:
+                        out.append(rd.read_int())
+                    except ReplyError as e:
+                        out.append(REDIRECT)
+                        if not self._redirected(it, e):
+                            errs.append(e)
                 if rd.buffered:
                     raise ConnectionError("redis: unexpected extra reply bytes")
+                self._raise_transient(errs)
+                if errs:
+                    raise errs[0]
                 return out
 
             return self._on_conn(client, io)
@@ -367,41 +492,62 @@ class RedisBackend(StorageBackend):
 
         pio = PageIO(host_pool)
 
-        def node(client: redis.Redis, its: list[_Item]) -> list[int]:
+        def node(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
             payloads = [pio.source(it.page) for it in its]
             heads = self._hash_ahead(payloads, [it.key for it in its])
             if self.opts.wire == "pipeline":
                 p = client.pipeline(transaction=False)
                 for it, pl, h in zip(its, payloads, heads, strict=True):
                     val = h[0].result()[h[1]] + bytes(pl)
+                    if asking:
+                        p.execute_command("ASKING")
                     if self.opts.ttl_s > 0:
                         p.set(it.rkey, val, px=max(1, int(self.opts.ttl_s * 1000)))
                     else:
                         p.set(it.rkey, val)
-                res = p.execute(raise_on_error=False)
-                errs = [r for r in res if isinstance(r, Exception)]
-                for e in errs:
-                    if is_transient(e):
-                        raise e
-                return [MISS if isinstance(r, Exception) else OK for r in res]
+                res = self._drop_asking(p.execute(raise_on_error=False), asking)
+                out = []
+                for it, r in zip(its, res, strict=True):
+                    if not isinstance(r, Exception):
+                        out.append(OK)
+                    elif self._redirected(it, r):
+                        out.append(REDIRECT)
+                    elif is_transient(r):
+                        raise r
+                    else:
+                        out.append(MISS)
+                return out
+
+            ask = pack(b"ASKING") if asking else b""
 
             def io(conn: Any, sock: Any) -> list[int]:
                 lead = b""
                 for it, pl, h in zip(its, payloads, heads, strict=True):
-                    head = b"".join((lead, nargs, b"$3\r\nSET\r\n", bulk_head(len(it.rkey)), it.rkey, b"\r\n",
-                                     bulk_head(len(pl) + HEADER_BYTES), h[0].result()[h[1]]))
+                    head = b"".join((lead, ask, nargs, b"$3\r\nSET\r\n", bulk_head(len(it.rkey)), it.rkey,
+                                     b"\r\n", bulk_head(len(pl) + HEADER_BYTES), h[0].result()[h[1]]))
                     conn.send_packed_command([head, pl], check_health=False)
                     lead = suffix
                 conn.send_packed_command([suffix], check_health=False)
                 rd = RespReader(sock)
-                replies = [rd.read_reply_or_error() for _ in its]
+                errs: list[ReplyError] = []
+                out: list[int] = []
+                for it in its:
+                    if asking:
+                        self._read_asking(rd, errs)
+                    r = rd.read_reply_or_error()
+                    if not isinstance(r, ReplyError):
+                        out.append(OK)
+                    elif self._redirected(it, r):
+                        out.append(REDIRECT)
+                    else:
+                        out.append(MISS)
+                        errs.append(r)
                 if rd.buffered:
                     raise ConnectionError("redis: unexpected extra reply bytes")
-                errs = [r for r in replies if isinstance(r, ReplyError)]
                 self._raise_transient(errs)
                 if errs:
                     log.warning("redis set: %s", errs[0])
-                return [MISS if isinstance(r, ReplyError) else OK for r in replies]
+                return out
 
             return self._on_conn(client, io)
 
@@ -432,18 +578,23 @@ class RedisBackend(StorageBackend):
         def cmd(it: _Item) -> bytes:
             return pack(b"GETEX", it.rkey, b"PX", ttl_ms) if touch else pack(b"GET", it.rkey)
 
-        def node(client: redis.Redis, its: list[_Item]) -> list[int]:
+        def node(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
             if self.opts.wire == "pipeline":
                 p = client.pipeline(transaction=False)
                 for it in its:
+                    if asking:
+                        p.execute_command("ASKING")
                     if touch:
                         p.getex(it.rkey, px=int(ttl_ms))
                     else:
                         p.get(it.rkey)
-                res = p.execute(raise_on_error=False)
+                res = self._drop_asking(p.execute(raise_on_error=False), asking)
                 out = []
                 for it, blob in zip(its, res, strict=True):
                     if isinstance(blob, Exception):
+                        if self._redirected(it, blob):
+                            out.append(REDIRECT)
+                            continue
                         if is_transient(blob):
                             raise blob
                         out.append(CORRUPT if _wrong_type(blob) else MISS)
@@ -461,18 +612,24 @@ class RedisBackend(StorageBackend):
                         out.append(OK)
                 return out
 
+            ask = pack(b"ASKING") if asking else b""
+
             def io(conn: Any, sock: Any) -> list[int]:
-                conn.send_packed_command([b"".join(cmd(it) for it in its)], check_health=False)
+                conn.send_packed_command([b"".join(ask + cmd(it) for it in its)], check_health=False)
                 rd = RespReader(sock)
                 out = [MISS] * len(its)
                 checks: list[Future[list[tuple[int, bool]]]] = []
                 group: list[tuple[int, bytes, memoryview, bytes]] = []
                 errs: list[ReplyError] = []
                 for j, it in enumerate(its):
+                    if asking:
+                        self._read_asking(rd, errs)
                     try:
                         n = rd.read_bulk_len()
                     except ReplyError as e:
-                        if _wrong_type(e):
+                        if self._redirected(it, e):
+                            out[j] = REDIRECT
+                        elif _wrong_type(e):
                             out[j] = CORRUPT
                         else:
                             errs.append(e)
