@@ -60,7 +60,7 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlparse
 
 import redis
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
@@ -173,6 +173,7 @@ class RedisBackend(StorageBackend):
         self._breaker = CircuitBreaker(o.breaker_base_s, o.breaker_max_s)
         self._cluster: RedisCluster | None = None
         self._cluster_lock = threading.Lock()
+        self._unlisted: dict[str, redis.Redis] = {}  # clients of nodes an ASK named that own no slot yet
         self._nodes_pool: ThreadPoolExecutor | None = None
         # Operations in flight hold one connection each: never more than a pool allows (a full pool would
         # fail an operation at once). One limit for the whole backend; waiting longer than timeout_s for a
@@ -248,19 +249,34 @@ class RedisBackend(StorageBackend):
             asking = not isinstance(r, redis.exceptions.MovedError)
             if not asking:
                 nm.move_slot(r)
-            node = nm.get_node(host=r.host, port=r.port)
-            if node is None or node.redis_connection is None:  # a node the map does not know yet
-                self._refresh()
-                node = nm.get_node(host=r.host, port=r.port)
-                if node is None or node.redis_connection is None:
-                    raise _as_reply(r)
-            g = groups.get((node.name, asking))
+            name = f"{r.host}:{r.port}"
+            g = groups.get((name, asking))
             if g is None:
-                g = groups[(node.name, asking)] = (node.redis_connection, [], asking)
+                g = groups[(name, asking)] = (self._node_client(r.host, r.port), [], asking)
             g[1].append(it)
         self._count_extra("redirects", len(items))  # pages
         self._count_extra("retries")  # the operation went out again (to other nodes)
         return list(groups.values())
+
+    def _node_client(self, host: str, port: int) -> redis.Redis:
+        """The client of the Cluster node at ``host:port``, connecting to it first if need be. A node the
+        slot map does not list (one that owns no slot yet, importing its first: a Cluster growing) gets
+        a client of its own, kept until :meth:`close`."""
+        assert self._cluster is not None
+        nm = self._cluster.nodes_manager
+        with self._cluster_lock:
+            node = nm.get_node(host=host, port=port)
+            if node is None:
+                client = self._unlisted.get(f"{host}:{port}")
+                if client is not None:
+                    return client
+                node = ClusterNode(host, port)
+            if node.redis_connection is None:
+                nm.create_redis_connections([node])
+            assert node.redis_connection is not None
+            if nm.get_node(host=host, port=port) is not node:
+                self._unlisted[f"{host}:{port}"] = node.redis_connection
+            return node.redis_connection
 
     def _scatter(self, items: list[_Item], node_fn: Callable[[redis.Redis, list[_Item], bool], list[int]]) -> list[int]:
         """Run ``node_fn`` per node (in parallel when there are several), then again for the pages a node
@@ -726,5 +742,8 @@ class RedisBackend(StorageBackend):
                 self._client.connection_pool.disconnect()
             if self._cluster is not None:
                 self._cluster.close()
+            for c in self._unlisted.values():
+                c.close()
+                c.connection_pool.disconnect()
         except Exception as e:  # closing a dead connection
             log.debug("redis close: %s", e)

@@ -1,7 +1,7 @@
 """Redis Cluster operations for the storage tests: roles, replication, slot migration, and a checked load.
 
-* :func:`role`, :func:`wait_replicated`, :func:`node_id` -- what a node is, and until a replica has its
-  master's writes.
+* :func:`role`, :func:`wait_replicated`, :func:`node_id`, :func:`cluster_state` -- what a node is, and
+  until a replica has its master's writes; :func:`join` -- an empty master added to the Cluster.
 * :func:`keys_in_slots` -- page keys whose Redis keys hash to chosen slots (a slot to migrate holds pages).
 * :class:`SlotMover` -- a slot moved from one master to another by hand, step by step, as
   ``redis-cli --cluster reshard`` does it (``SETSLOT IMPORTING`` / ``MIGRATING``, ``MIGRATE`` the keys,
@@ -59,6 +59,27 @@ def slot_owner_port(client: redis.Redis, slot: int) -> int | None:
         if int(row[0]) <= slot <= int(row[1]):
             return int(row[2][1])
     return None
+
+
+def cluster_state(client: redis.Redis) -> str:
+    info = client.execute_command("CLUSTER", "INFO")
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("cluster_state:"))
+
+
+def join(new: LocalRedis, clients: dict[int, redis.Redis], timeout_s: float = 10.0) -> redis.Redis:
+    """Add the empty cluster-enabled node ``new`` to the Cluster of ``clients`` (a master without slots,
+    as ``redis-cli --cluster add-node`` leaves it); returns its client once every node knows it."""
+    nc = new.client()
+    nc.execute_command("CLUSTER", "MEET", "127.0.0.1", next(iter(clients)))
+    everyone = [*clients.values(), nc]
+    deadline = time.monotonic() + timeout_s
+    while any(len(c.execute_command("CLUSTER", "NODES").splitlines()) != len(everyone) for c in everyone) \
+            or cluster_state(nc) != "ok":
+        if time.monotonic() > deadline:
+            raise AssertionError(f"node {new.port} did not join the cluster")
+        time.sleep(0.05)
+    return nc
 
 
 def keys_in_slots(backend: StorageBackend, slots: Sequence[int], per_slot: int, salt: str) -> list[bytes]:

@@ -15,8 +15,17 @@ import redis
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageStats
 from hicache.storage.redis_backend import RedisBackend
-from hicache.storage.redis_local import LocalRedisCluster
-from storage.cluster_ops import CheckedLoad, SlotMover, keys_in_slots, role, slot_owner_port, wait_replicated
+from hicache.storage.redis_local import LocalRedis, LocalRedisCluster
+from storage.cluster_ops import (
+    CheckedLoad,
+    SlotMover,
+    cluster_state,
+    join,
+    keys_in_slots,
+    role,
+    slot_owner_port,
+    wait_replicated,
+)
 from storage.conftest import make_pool, needs_redis, page_keys
 
 pytestmark = [pytest.mark.redis, needs_redis]
@@ -177,10 +186,40 @@ def test_slots_migrated_under_load_follow_ask_and_moved(open_backend, prefix, wi
                 c.close()
 
 
-def _cluster_state(c: redis.Redis) -> str:
-    info = c.execute_command("CLUSTER", "INFO")
-    text = info.decode() if isinstance(info, bytes) else str(info)
-    return next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("cluster_state:"))
+def test_slots_moved_to_a_new_master_follow_ask_to_a_node_no_slot_map_lists(open_backend, prefix) -> None:
+    """The Cluster grows: an empty master joins and imports its first slots. While the first is half
+    migrated, ``ASK`` names a node that owns no slot, so no ``CLUSTER SLOTS`` lists it; the backend
+    connects to it and follows, then follows ``MOVED`` to it; nothing fails and the pages end up there."""
+    with LocalRedisCluster(3) as cl, LocalRedis(cluster=True) as new:
+        b = open_backend(cl.url, prefix=prefix, **OPTS)
+        assert isinstance(b, RedisBackend)
+        clients = {n.port: n.client() for n in cl.nodes}
+        try:
+            src_port = cl.nodes[0].port
+            lo, _ = _slot_ranges(clients[src_port], src_port)[0]
+            moving = list(range(lo, lo + 4))
+            keys = keys_in_slots(b, moving, 2, "to-new") + page_keys(16, "elsewhere")
+            n = len(keys)
+            src = make_pool(n + 1, seed=37)
+            assert b.batch_set(keys, src, list(range(n))) == n
+            clients[new.port] = join(new, clients)
+            mover = SlotMover(clients, src_port, new.port)
+            mover.begin(moving[0])
+            mover.migrate([b.redis_key(keys[0])])
+            assert _read_all(b, src, keys, list(range(n))) == (n, [])
+            fresh = keys_in_slots(b, [moving[0]], 1, "fresh-to-new")
+            assert b.batch_set(fresh, src, [n]) == 1
+            mover.migrate_all(moving[0])
+            mover.finish(moving[0])
+            for s in moving[1:]:
+                mover.move(s)
+            mover.wait_settled(moving)
+            assert _read_all(b, src, keys + fresh, [*range(n), n]) == (n + 1, [])
+            assert b.stats().errors == 0
+            assert sum(clients[new.port].execute_command("CLUSTER", "COUNTKEYSINSLOT", s) for s in moving) == 9
+        finally:
+            for c in clients.values():
+                c.close()
 
 
 @pytest.mark.parametrize("wire", ["raw", "pipeline"])
@@ -201,7 +240,7 @@ def test_cluster_down_is_a_counted_failure_and_passes(open_backend, prefix, wire
             for c in clients.values():
                 c.execute_command("CLUSTER", "DELSLOTS", slot)
             deadline = time.monotonic() + 10
-            while any(_cluster_state(c) != "fail" for c in clients.values()):
+            while any(cluster_state(c) != "fail" for c in clients.values()):
                 assert time.monotonic() < deadline, "the cluster did not go down"
                 time.sleep(0.02)
             before = b.stats()
