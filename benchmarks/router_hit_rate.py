@@ -35,7 +35,7 @@ import numpy as np
 
 from hicache.cache import HiCache
 from hicache.client.types import Event
-from hicache.config import HiCacheConfig, config_from_dict
+from hicache.config import CacheConfig, HiCacheConfig, config_from_dict
 from hicache.keys import Namespace
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.radix import TreeEvent
@@ -112,7 +112,7 @@ def simulate(policy: str, reqs: list[tuple[float, str, np.ndarray]], a: argparse
     cfg = config_from_dict({
         "model": {"name": "bench-router"},
         "layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4, "dtype": "float16", "page_size": a.page_size},
-        "cache": {"l1_tokens": a.l1_tokens, "l2_tokens": a.l2_tokens},
+        "cache": {"l1_tokens": a.l1_tokens, "l2_tokens": a.l2_tokens, "write_policy": a.write_policy},
     })
     names = [f"node{i}" for i in range(a.nodes)]
     rc = RouterConfig(nodes=[NodeSpec(n, f"sim:{i + 1}") for i, n in enumerate(names)], policy=policy,
@@ -185,6 +185,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--l1-tokens", type=int, default=16384, help="per node")
     ap.add_argument("--l2-tokens", type=int, default=32768, help="per node")
+    ap.add_argument("--write-policy", default=CacheConfig.write_policy,
+                    help=f"L1 -> L2 backups (default: {CacheConfig.write_policy})")
     ap.add_argument("--prefill-tps", type=float, default=40_000.0, help="tokens/s a node computes (8B, eager)")
     ap.add_argument("--load-tps", type=float, default=420_000.0, help="tokens/s restored from L2")
     ap.add_argument("--overhead-s", type=float, default=0.002, help="per request")
