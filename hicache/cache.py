@@ -127,6 +127,8 @@ class HiCache:
         self._storage_seen: dict[str, int] = {}  # backend counters already folded into metrics (by field)
         self.metrics.on_collect = self._refresh_metrics
         m = self.metrics
+        if storage is not None:
+            m.export_storage_up()
         m.pool_total.labels("l1").set(self.device_pool.num_pages)
         m.pool_total.labels("l2").set(config.l2_pages)
         self._update_gauges()
@@ -402,9 +404,9 @@ class HiCache:
                 self.host_pool.allocator.free(task.host_pages[:n])
                 return 0
             dup = task.host_pages[:n][res.reused[start:end]]
-            if len(dup):
+            if len(dup):  # pages L2 gained meanwhile (another request's prefetch, a backup): counted there
                 self.host_pool.allocator.free(dup)
-            self.metrics.prefetch_tokens.inc(n * self.page_size)
+            self.metrics.prefetch_tokens.inc((n - len(dup)) * self.page_size)
             return n
 
     def load_back(self, req: Request, layer_wise: bool = True) -> LoadResult:
@@ -589,8 +591,9 @@ class HiCache:
             with self._lock:
                 self._prefetch_inflight_bytes -= task.num_pages * self.layout.bytes_per_page
                 self.metrics.prefetch_inflight_bytes.set(self._prefetch_inflight_bytes)
-                if task.cancelled:
-                    self.metrics.prefetch_aborted.inc()
+                # its pages never reach the tree, whether the fetch was still running, had landed, or had
+                # been finished (handed over, as a node's Prefetch cut short by its deadline leaves it)
+                self.metrics.prefetch_aborted.inc()
                 if not task.cancelled and task.handed > 0:  # ... and handed over, but never loaded back
                     self.host_pool.allocator.free(task.host_pages[: task.handed])
             req.prefetch = None

@@ -66,9 +66,12 @@ class Metrics:
             "hicache_backup_skipped_tokens", "Tokens the write policy would have backed up to L2 but could not: no "
             "L2 page free or evictable (L2 pages pinned, holding requests' prefixes, or waiting for their L3 "
             "write). Such pages are lost when L1 evicts them", registry=r)
-        self.prefetch_tokens = Counter("hicache_prefetch_tokens", "Tokens prefetched L3 -> L2", registry=r)
+        self.prefetch_tokens = Counter("hicache_prefetch_tokens", "Tokens prefetched L3 -> L2 and placed there "
+                                       "(pages another request put on L2 meanwhile are not counted again)",
+                                       registry=r)
         self.prefetch_aborted = Counter("hicache_prefetch_aborted", "Prefetches not started (in-flight byte cap, no "
-                                        "room on L2) or cut short (timeout, error, request released first)",
+                                        "room on L2), cut short (timeout, error), or dropped because the request "
+                                        "was released before it loaded them",
                                         registry=r)
         self.writeback_dropped_pages = Counter("hicache_writeback_dropped_pages",
                                                "Pages not written to L3 because the queue was full", registry=r)
@@ -81,9 +84,12 @@ class Metrics:
                                      registry=r)
         self.prefetch_inflight_bytes = Gauge("hicache_prefetch_inflight_bytes", "Bytes of L3 prefetches in flight",
                                              registry=r)
+        # exported only once a cache with an L3 store asks for it (:meth:`export_storage_up`): without a
+        # store there is nothing to probe, and a 0 would read as a store that is down
         self.storage_up = Gauge("hicache_storage_up", "1 when the L3 store answered the node's last probe (a "
                                 "round trip every 15 s), 0 when it did not; absent without L3",
-                                registry=r)
+                                registry=None)
+        self._storage_up_exported = False
         # children bound once: a labels() lookup per call costs microseconds on the hot path
         self.hit = {t: self.hit_tokens.labels(t) for t in TIERS}
         self.used = {t: self.pool_used.labels(t) for t in TIERS[:2]}
@@ -102,6 +108,12 @@ class Metrics:
         self.prefetch_seconds = Histogram("hicache_prefetch_seconds", "From an L3 prefetch's start until its "
                                           "request takes the pages (or gives up, per prefetch_policy)",
                                           registry=r, buckets=STORAGE_BUCKETS)
+
+    def export_storage_up(self) -> None:
+        """Put ``hicache_storage_up`` in the registry (a cache with an L3 store calls this; idempotent)."""
+        if not self._storage_up_exported:
+            self.registry.register(self.storage_up)
+            self._storage_up_exported = True
 
     def _collect(self) -> None:
         if self.on_collect is not None:
