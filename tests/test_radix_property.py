@@ -49,7 +49,7 @@ def pages_of(ns: bytes, end: Prefix) -> list[Page]:
 
 class TreeVsModel(RuleBasedStateMachine):
     @initialize(
-        policy=st.sampled_from(["lru", "lfu", "priority", "tail_lru", "reuse_lru"]),
+        policy=st.sampled_from(["lru", "lfu", "priority", "tail_lru", "reuse_lru", "arc", "lru2"]),
         seed=st.lists(
             st.tuples(
                 st.sampled_from(NAMESPACES),
