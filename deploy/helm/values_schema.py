@@ -85,6 +85,10 @@ PULL_POLICY = enum(["Always", "IfNotPresent", "Never"])
 SERVICE_TYPE = enum(["ClusterIP", "NodePort", "LoadBalancer"])
 DURATION = string(pattern=r"^[0-9]+(ms|s|m|h)$")
 BUDGET: Schema = {"type": ["integer", "string"]}
+# router.nodes entries as hicache.router.config.parse_node accepts them: [NAME=]host:port, NAME of letters,
+# digits, '_', '.', '-' (63 at most), a host name, IPv4 or [IPv6] address, a port in 1-65535
+NODE_PATTERN = (r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}=)?(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+)"
+                r":([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])$")
 
 
 def config_schema() -> Schema:
@@ -124,8 +128,9 @@ def config_schema() -> Schema:
 def router_config_schema() -> Schema:
     """``router.config``: hicache.router.config.RouterConfig, less what the chart sets."""
     return obj({
-        "policy": enum(router_policy_names()), "load_weight": number(0), "l2_weight": number(0),
-        "min_prefix_score": number(0, 1), "balance_abs_threshold": number(0), "balance_rel_threshold": number(0),
+        "policy": enum(router_policy_names()), "load_weight": number(0), "l2_weight": number(0, 1),
+        "min_prefix_score": number(0, 1), "balance_abs_threshold": number(positive=True),
+        "balance_rel_threshold": number(1),
         "route_ttl_s": number(positive=True), "stats_interval_s": number(positive=True),
         "breaker_failures": integer(1), "breaker_cooldown_s": number(positive=True),
         "breaker_max_cooldown_s": number(positive=True), "reconnect_max_s": number(positive=True),
@@ -148,14 +153,19 @@ def values_schema() -> Schema:
             "imagePullSecrets": {"type": "array", "items": obj({"name": string(minLength=1)}, required=("name",))},
             "serviceAccount": obj({"create": BOOL, "name": string(), "annotations": LABELS, "automountToken": BOOL}),
             "config": config_schema(),
-            "auth": obj({"enabled": BOOL, "token": string(), "existingSecret": string(),
+            "auth": obj({"enabled": BOOL,
+                         "token": string(pattern=r"^[!-~]*$",
+                                         description="visible ASCII only (it travels in gRPC metadata): no spaces, "
+                                                     "no trailing newline"),
+                         "existingSecret": string(),
                          "existingSecretKey": SECRET_KEY}),
             "tls": {**obj({"enabled": BOOL, "secretName": string(), "mtls": BOOL}),
                     "if": {"properties": {"enabled": {"const": True}}, "required": ["enabled"]},
                     "then": {"properties": {"secretName": string(minLength=1)}}},
             "node": obj({
                 "kind": enum(["daemonset", "statefulset"]), "replicas": integer(1), "port": PORT,
-                "gpu": obj({"enabled": BOOL, "count": integer(1), "resourceName": string(minLength=1)}),
+                "gpu": obj({"enabled": BOOL, "count": integer(1), "resourceName": string(minLength=1)},
+                           required=("enabled", "count", "resourceName")),
                 "nodeSelector": LABELS, "tolerations": ANY_LIST, "affinity": ANY_OBJECT,
                 "priorityClassName": string(), "runtimeClassName": string(), "hostIPC": BOOL,
                 "shm": obj({"sizeLimit": string(pattern=r"^$|^[0-9]+(\.[0-9]+)?(k|Ki|Mi|Gi|Ti|M|G|T)?$"),
@@ -166,20 +176,22 @@ def values_schema() -> Schema:
                 "podAnnotations": LABELS, "podLabels": LABELS, "updateStrategy": ANY_OBJECT,
                 "terminationGracePeriodSeconds": integer(0),
                 "startupProbe": PROBE, "livenessProbe": PROBE, "readinessProbe": PROBE,
-                "pdb": obj({"enabled": BOOL, "maxUnavailable": BUDGET}),
-                "extraEnv": ANY_LIST, "extraVolumes": ANY_LIST, "extraVolumeMounts": ANY_LIST}),
+                "pdb": obj({"enabled": BOOL, "maxUnavailable": BUDGET}, required=("maxUnavailable",)),
+                "extraEnv": ANY_LIST, "extraVolumes": ANY_LIST, "extraVolumeMounts": ANY_LIST},
+                required=("kind", "replicas", "port", "gpu", "shm", "resources", "service", "pdb", "startupProbe",
+                          "livenessProbe", "readinessProbe")),
             "router": obj({
                 "enabled": BOOL, "replicas": integer(0), "port": PORT, "config": router_config_schema(),
-                "nodes": {"type": "array",
-                          "items": string(pattern=r"^([^=\s]+=)?(\[[0-9a-fA-F:.]+\]|[^\s:\[\]]+):[0-9]{1,5}$")},
+                "nodes": {"type": "array", "items": string(pattern=NODE_PATTERN)},
                 "extraArgs": {"type": "array", "items": string()},
                 "resources": RESOURCES, "nodeSelector": LABELS, "tolerations": ANY_LIST, "affinity": ANY_OBJECT,
                 "priorityClassName": string(), "podAnnotations": LABELS, "podLabels": LABELS,
                 "service": obj({"type": SERVICE_TYPE, "annotations": LABELS}),
-                "metrics": obj({"port": integer(0, 65535)}),
+                "metrics": obj({"port": integer(0, 65535)}, required=("port",)),
                 "probes": obj({"type": enum(["grpc", "tcp"])}),
-                "pdb": obj({"enabled": BOOL, "minAvailable": BUDGET}),
-                "extraEnv": ANY_LIST}),
+                "pdb": obj({"enabled": BOOL, "minAvailable": BUDGET}, required=("minAvailable",)),
+                "extraEnv": ANY_LIST},
+                required=("port", "extraArgs", "service", "metrics", "probes", "pdb")),
             "metrics": obj({
                 "enabled": BOOL, "port": PORT, "annotations": BOOL,
                 "serviceMonitor": obj({"enabled": BOOL, "interval": DURATION, "scrapeTimeout": DURATION,
@@ -187,28 +199,34 @@ def values_schema() -> Schema:
                 "prometheusRule": obj({"enabled": BOOL, "labels": LABELS,
                                        "matchLatencyP99Seconds": number(positive=True),
                                        "hitRateBelow": number(0, 1)}),
-                "grafanaDashboard": obj({"enabled": BOOL, "labels": LABELS})}),
+                "grafanaDashboard": obj({"enabled": BOOL, "labels": LABELS})},
+                required=("enabled", "port", "serviceMonitor", "prometheusRule", "grafanaDashboard")),
             "redis": obj({
                 "enabled": BOOL,
                 "image": obj({"repository": string(minLength=1), "tag": string(minLength=1),
-                              "pullPolicy": PULL_POLICY}),
+                              "pullPolicy": PULL_POLICY}, required=("repository", "tag")),
                 "port": integer(1, 55535),  # the Cluster bus listens on port + 10000
-                "cluster": obj({"enabled": BOOL, "masters": integer(3)}),
+                "cluster": obj({"enabled": BOOL, "masters": integer(3)}, required=("enabled", "masters")),
                 "auth": obj({"enabled": BOOL,
                              "password": string(pattern=r"^[A-Za-z0-9._~-]*$",
                                                 description="URL-safe characters only (it goes into the storage URL)"),
-                             "existingSecret": string(), "existingSecretKey": SECRET_KEY}),
+                             "existingSecret": string(), "existingSecretKey": SECRET_KEY}, required=("enabled",)),
                 "maxmemory": string(pattern=r"^[0-9]+(b|k|kb|m|mb|g|gb)?$"),
                 "maxmemoryPolicy": enum(["allkeys-lru", "allkeys-lfu", "allkeys-random", "volatile-lru",
                                          "volatile-lfu", "volatile-random", "volatile-ttl", "noeviction"]),
-                "persistence": obj({"enabled": BOOL, "size": QUANTITY, "storageClass": string()}),
+                "persistence": obj({"enabled": BOOL, "size": QUANTITY, "storageClass": string()},
+                                   required=("enabled", "size")),
                 "resources": RESOURCES, "nodeSelector": LABELS, "tolerations": ANY_LIST, "affinity": ANY_OBJECT,
-                "pdb": obj({"enabled": BOOL, "maxUnavailable": BUDGET})}),
+                "pdb": obj({"enabled": BOOL, "maxUnavailable": BUDGET}, required=("maxUnavailable",))},
+                required=("image", "port", "cluster", "auth", "persistence", "pdb")),
             "externalStorage": obj({"url": string(pattern=r"^$|^[a-z][a-z0-9+.-]*://"), "existingSecret": string(),
                                     "existingSecretKey": SECRET_KEY}),
             "podSecurityContext": ANY_OBJECT,
             "securityContext": ANY_OBJECT,
         },
+        # what the templates read without a default: a key removed (null) is named here, not a template error
+        "required": ["image", "serviceAccount", "config", "auth", "tls", "node", "router", "metrics", "redis",
+                     "externalStorage"],
     }
 
 

@@ -16,11 +16,12 @@
 {{- end }}
 {{- end }}
 
-{{/* Component names stay <= 63 characters with their suffixes (pod names add more for StatefulSets). */}}
-{{- define "hicache.node.name" -}}{{ include "hicache.fullname" . | trunc 50 | trimSuffix "-" }}-node{{- end }}
+{{/* Component names stay <= 63 characters with their suffixes, a StatefulSet's <= 52: its controller labels
+each pod controller-revision-hash=<name>-<hash of up to 10 characters>, a label value (63 at most). */}}
+{{- define "hicache.node.name" -}}{{ include "hicache.fullname" . | trunc (ternary 47 50 (eq .Values.node.kind "statefulset")) | trimSuffix "-" }}-node{{- end }}
 {{- define "hicache.node.headless" -}}{{ include "hicache.fullname" . | trunc 41 | trimSuffix "-" }}-node-headless{{- end }}
 {{- define "hicache.router.name" -}}{{ include "hicache.fullname" . | trunc 48 | trimSuffix "-" }}-router{{- end }}
-{{- define "hicache.redis.name" -}}{{ include "hicache.fullname" . | trunc 49 | trimSuffix "-" }}-redis{{- end }}
+{{- define "hicache.redis.name" -}}{{ include "hicache.fullname" . | trunc 46 | trimSuffix "-" }}-redis{{- end }}
 {{- define "hicache.redis.headless" -}}{{ include "hicache.fullname" . | trunc 40 | trimSuffix "-" }}-redis-headless{{- end }}
 {{- define "hicache.config.name" -}}{{ include "hicache.fullname" . | trunc 48 | trimSuffix "-" }}-config{{- end }}
 {{- define "hicache.secret.name" -}}{{ include "hicache.fullname" . | trunc 48 | trimSuffix "-" }}-secret{{- end }}
@@ -229,6 +230,12 @@ one page even with L2 off; a block-first L2 holds whole blocks, a layer-first on
 {{- end }}
 {{- end }}
 
+{{/* A duration ("500ms", "15s", "1m", "2h": metrics.serviceMonitor's) in milliseconds. */}}
+{{- define "hicache.durationMs" -}}
+{{- $num := regexFind "^[0-9]+" . }}
+{{- mul (int $num) (index (dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000) (trimPrefix $num .)) }}
+{{- end }}
+
 {{/* Bytes as "34.0 GiB". */}}
 {{- define "hicache.gib" -}}{{ printf "%.1f GiB" (divf (float64 .) 1073741824.0) }}{{- end }}
 
@@ -295,6 +302,34 @@ gets up to as long again, then the writeback threads up to 10 s each to finish t
 {{- end }}
 {{- if and .Values.metrics.enabled (eq (int .Values.metrics.port) (int .Values.node.port)) }}
 {{- fail "metrics.port and node.port must differ" }}
+{{- end }}
+{{- $sm := .Values.metrics.serviceMonitor }}
+{{- if and .Values.metrics.enabled $sm.enabled $sm.interval $sm.scrapeTimeout (gt (int (include "hicache.durationMs" $sm.scrapeTimeout)) (int (include "hicache.durationMs" $sm.interval))) }}
+{{- fail (printf "metrics.serviceMonitor.scrapeTimeout (%s) must not exceed metrics.serviceMonitor.interval (%s): Prometheus refuses such a scrape config" $sm.scrapeTimeout $sm.interval) }}
+{{- end }}
+{{- if .Values.router.enabled }}
+{{- if and .Values.metrics.enabled (eq (int .Values.router.metrics.port) (int .Values.router.port)) }}
+{{- fail "router.metrics.port and router.port must differ (router.metrics.port=0: the router exports no metrics)" }}
+{{- end }}
+{{- $rc := .Values.router.config | default dict }}
+{{- /* hicache.router.config.RouterConfig's defaults where a key is removed */}}
+{{- $cooldown := ternary $rc.breaker_cooldown_s 5.0 (hasKey $rc "breaker_cooldown_s") }}
+{{- $maxCooldown := ternary $rc.breaker_max_cooldown_s 60.0 (hasKey $rc "breaker_max_cooldown_s") }}
+{{- if lt (float64 $maxCooldown) (float64 $cooldown) }}
+{{- fail (printf "router.config.breaker_max_cooldown_s (%v) must be at least router.config.breaker_cooldown_s (%v): a node's breaker cooldown doubles from the one up to the other" $maxCooldown $cooldown) }}
+{{- end }}
+{{- /* hicache.router.config.check_nodes: each node once, by name and by address */}}
+{{- $names := dict }}
+{{- $addresses := dict }}
+{{- range .Values.router.nodes }}
+{{- $address := regexReplaceAll "^[^=]*=" . "" }}
+{{- $name := ternary (regexReplaceAll "=.*$" . "") $address (contains "=" .) }}
+{{- if or (hasKey $names $name) (hasKey $addresses (lower $address)) }}
+{{- fail (printf "router.nodes: %s names a node already listed (each name and each address once: the router would count that node's pages and requests twice)" .) }}
+{{- end }}
+{{- $_ := set $names $name true }}
+{{- $_ := set $addresses (lower $address) true }}
+{{- end }}
 {{- end }}
 {{- $stop := int (include "hicache.node.stopSeconds" .) }}
 {{- if lt (int .Values.node.terminationGracePeriodSeconds) $stop }}
