@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 scripts/install.sh --dev
 python3 -m ruff check hicache tests benchmarks
 python3 -m mypy
-python3 -m pytest -q -p no:cacheprovider "$@"
+python3 -m pytest -q -p no:cacheprovider --hypothesis-profile=repeatable "$@"

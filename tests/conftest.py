@@ -6,9 +6,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from hicache.cache import HiCache
 from kvhelpers import small_config
+
+# scripts/test.sh runs the property tests on a fixed seed (a run fails only on a change of code); a plain
+# ``pytest`` draws new examples each time.
+settings.register_profile("repeatable", derandomize=True, database=None, print_blob=True)
 
 
 @pytest.fixture

@@ -257,9 +257,12 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             else:
                 req = self._open(entry, tb, ns, False, False, request.return_keys)
         except asyncio.CancelledError:
-            # The worker finished first (``blocking``), so the request is open under `rid`. The caller
+            # The worker finished first (``blocking``). If it failed (the cancellation landed just as it
+            # did), nothing opened: free the id. Otherwise the request is open under `rid`: the caller
             # named it and can Release it (or expiry will); an id made up here nobody can: release it now.
-            if not request.request_id:
+            if entry.request is None:
+                self.table.drop(rid)
+            elif not request.request_id:
                 with contextlib.suppress(ServiceError):
                     entry = self.table.pop(rid)
                     if entry.request is not None and not entry.request.released:

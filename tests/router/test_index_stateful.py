@@ -258,12 +258,15 @@ class IndexVsNodes(RuleBasedStateMachine):
             event(f"duplicated: {q[i].kind}")
 
     def _lose_one(self, nd: Node, data: st.DataObject) -> None:
-        """A delta goes missing (a later delta follows, so the gap shows)."""
+        """A delta goes missing while a later-numbered one is still to come, so the gap shows. (Losing the
+        newest message with nothing after it cannot be detected by any feed: not a case to test. After a
+        swap the newest is not always the last queued.)"""
         q = nd.stream
         assert q is not None
-        deltas = [i for i, ev in enumerate(q) if ev.kind != "snapshot"]
-        if len(deltas) >= 2:
-            del q[data.draw(st.sampled_from(deltas[:-1]))]
+        newest = max((ev.sequence for ev in q if ev.kind != "snapshot"), default=0)
+        deltas = [i for i, ev in enumerate(q) if ev.kind != "snapshot" and ev.sequence < newest]
+        if deltas:
+            del q[data.draw(st.sampled_from(deltas))]
 
     def _swap(self, nd: Node, data: st.DataObject) -> None:
         """Two adjacent deltas arrive out of order."""

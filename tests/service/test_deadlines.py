@@ -6,6 +6,7 @@ Release gets NOT_FOUND."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,8 @@ import numpy as np
 from hicache.client import AsyncHiCacheClient
 from hicache.config import config_from_dict
 from hicache.pool import HostPool
+from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
+from hicache.service import servicer as servicer_mod
 from hicache.service.server import NodeServer
 from hicache.storage.base import StorageContext
 from hicache.storage.memory import MemoryBackend
@@ -164,6 +167,58 @@ def test_a_release_cut_short_by_its_deadline_still_releases() -> None:
             cache.clear()  # drops every page no request holds: all of them, if "o" was released
             assert cache.device_pool.allocator.used_pages == 0
             assert cache.host_pool.allocator.used_pages == 0
+        finally:
+            await node.stop(0.1)
+
+    asyncio.run(main())
+
+
+def test_a_match_cancelled_as_its_worker_ends_leaves_the_id_usable(monkeypatch: Any) -> None:
+    """A Match whose cancellation lands just as its worker ends (``blocking`` then raises CancelledError
+    after the worker finished): if the worker failed, nothing opened and the id is free again (a Match on
+    it opens, no ALREADY_EXISTS forever); if it succeeded, the request is open and Release closes it."""
+    async def cancelled_as_it_ends(fn: Any, *args: Any) -> Any:
+        with contextlib.suppress(Exception):
+            fn(*args)
+        raise asyncio.CancelledError
+
+    def failing_load(req: Any) -> None:
+        raise RuntimeError("the L2 -> L1 load failed")
+
+    async def main() -> None:
+        node = NodeServer(config())
+        await node.start()
+        try:
+            cache = node.cache
+            assert cache is not None
+            toks = np.arange(1, 4 * PS + 1, dtype=np.uint32)
+            real_load = node.servicer._load
+            async with AsyncHiCacheClient(f"127.0.0.1:{node.port}") as c:
+                for fails in (True, False):
+                    rid = f"cut-{fails}"
+                    node.servicer._load = failing_load if fails else real_load  # type: ignore[method-assign]
+                    monkeypatch.setattr(servicer_mod, "blocking", cancelled_as_it_ends)
+                    try:
+                        await node.servicer._match(pb.MatchRequest(request_id=rid, tokens=toks.tobytes(),
+                                                                   load=True))
+                        raise AssertionError("the Match was cancelled")
+                    except asyncio.CancelledError:
+                        pass
+                    finally:
+                        monkeypatch.undo()
+                    if fails:
+                        assert rid not in node.servicer.table._entries
+                        await c.match(toks, rid)  # the id opens again
+                    await c.release(rid)
+                    try:
+                        await c.release(rid)
+                        raise AssertionError("released twice")
+                    except grpc.aio.AioRpcError as e:
+                        assert e.code() == grpc.StatusCode.NOT_FOUND
+            assert len(node.servicer.table) == 0
+            cache.check_integrity()
+            cache.clear()
+            assert cache.device_pool.allocator.used_pages == 0
         finally:
             await node.stop(0.1)
 
