@@ -45,6 +45,7 @@ from hicache.transfer import TransferHandle, create_engine
 
 __all__ = ["CacheFullError", "CommitResult", "HiCache", "LoadResult", "PinInfo", "Request"]
 
+TENANT_MEMORY = 1 << 16  # namespaces whose tenant the cache remembers for cache.tenant_shares
 SELECTIVE_THRESHOLD = 2  # write_through_selective backs a node up at its second use (the insert is the first)
 
 
@@ -103,6 +104,8 @@ class HiCache:
         else:  # the portable engine has nothing to tune
             self.transfer = create_engine("cpu", self.device_pool, self.host_pool)
         self.tree = RadixTree(self.page_size, c.eviction_policy)
+        self._shares = dict(c.tenant_shares)
+        self._tenant_of: dict[bytes, str] = {}  # namespace digest -> tenant, with shares (see _note_tenant)
         self.metrics = metrics or Metrics()
         self.write_policy = c.write_policy
         self._lock = threading.RLock()
@@ -142,6 +145,29 @@ class HiCache:
         if ns.layout != self.layout:
             raise ValueError(f"namespace layout {ns.layout.describe()} does not match the pool's "
                              f"{self.layout.describe()}")
+
+    def _note_tenant(self, ns: Namespace) -> None:
+        """Under the lock, with ``cache.tenant_shares`` set: remember whose namespace ``ns.digest`` is (the
+        tree knows digests only), most recent last; the oldest of more than TENANT_MEMORY are forgotten."""
+        if self._shares:
+            self._tenant_of.pop(ns.digest, None)
+            self._tenant_of[ns.digest] = ns.tenant
+            if len(self._tenant_of) > TENANT_MEMORY:
+                del self._tenant_of[next(iter(self._tenant_of))]
+
+    def _caps(self, capacity: int) -> dict[bytes, int] | None:
+        """Per namespace in the tree, the pages of a tier of ``capacity`` pages beyond which its tenant's
+        pages are evicted first (``cache.tenant_shares``); None without shares."""
+        if not self._shares:
+            return None
+        caps = {}
+        default = self._shares.get("*")
+        for digest in self.tree.roots:
+            tenant = self._tenant_of.get(digest)
+            share = None if tenant is None else self._shares.get(tenant, default)
+            if share is not None:
+                caps[digest] = int(share * capacity)
+        return caps
 
     def _refresh_metrics(self) -> None:
         """At a scrape: gauges and L3 counters as they are now (the tree lock guards the bookkeeping)."""
@@ -227,7 +253,8 @@ class HiCache:
         return pages
 
     def _evict_device(self, n: int, backup: Callable[[TreeNode], bool] | None = None) -> int:
-        freed = self.tree.evict_device(n, self._backup_on_evict if backup is None else backup)
+        freed = self.tree.evict_device(n, self._backup_on_evict if backup is None else backup,
+                                       self._caps(self.device_pool.num_pages))
         total = sum(len(f) for f in freed)
         for f in freed:
             self.device_pool.allocator.free(f)
@@ -235,7 +262,7 @@ class HiCache:
         return total
 
     def _evict_host(self, n: int) -> int:
-        freed = self.tree.evict_host(n)
+        freed = self.tree.evict_host(n, self._caps(self.config.l2_pages))
         total = sum(len(f) for f in freed)
         for f in freed:
             self.host_pool.allocator.free(f)
@@ -291,6 +318,7 @@ class HiCache:
         pkeys = page_keys_from_bytes(ns.digest, tb, self.page_size) if need_keys else []
         with self._lock:
             self._reap()
+            self._note_tenant(ns)
             m = self.tree.match(ns.digest, tb)
             self.tree.lock(m.l1_node)
             pin = m.host_nodes[-1] if m.host_nodes else None
@@ -630,6 +658,7 @@ class HiCache:
         frac = self.config.cache.max_pinned_fraction
         with self._lock:
             self._reap()
+            self._note_tenant(ns)
             m = self.tree.match(ns.digest, tb)
             if m.l1_pages + m.l2_pages == 0:
                 raise ValueError("pin: no page of this prefix is cached")

@@ -137,6 +137,9 @@ class CacheConfig:
     max_pinned_fraction: float = 0.5  # of L1 (and of L2) that pinned prefixes may hold (HiCache.pin)
     # CUDA transfer engine tuning (TRANSFER_OPTIONS), e.g. {stagger_ways: 4, ce_min_copy_bytes: 65536}
     transfer_options: dict[str, Any] = field(default_factory=dict)
+    # Tenant -> share (0, 1] of L1 and of L2 beyond which that tenant's pages are evicted first ("*": every
+    # tenant not listed; "": requests without a tenant). Soft: a tenant may fill free room past its share.
+    tenant_shares: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(self.l1_tokens >= 1, "cache.l1_tokens", ">= 1", self.l1_tokens)
@@ -161,6 +164,13 @@ class CacheConfig:
                 low = TRANSFER_INT_OPTIONS[key]
                 _require(isinstance(value, int) and not isinstance(value, bool) and value >= low, where,
                          f"an integer >= {low}", value)
+        _require(isinstance(self.tenant_shares, dict), "cache.tenant_shares", "a mapping of tenant -> share",
+                 self.tenant_shares)
+        for tenant, share in self.tenant_shares.items():
+            _require(isinstance(tenant, str), "cache.tenant_shares", "tenant names (strings) as keys", tenant)
+            shown = tenant if tenant else '""'
+            _require(isinstance(share, int | float) and not isinstance(share, bool) and 0 < share <= 1,
+                     f"cache.tenant_shares.{shown}", "a number in (0, 1]", share)
         _require(self.device == "cpu" or self.device.startswith("cuda"), "cache.device",
                  "'cpu' or 'cuda[:N]'", self.device)
 

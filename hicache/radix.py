@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -409,8 +409,57 @@ class RadixTree:
             and not any(c.device is not None for c in node.children.values())
         )
 
-    def evict_device(self, n_pages: int, backup: Callable[[TreeNode], bool]) -> list[np.ndarray]:
+    def _candidates(self, evictable: Callable[[TreeNode], bool], on_device: bool,
+                    caps: Mapping[bytes, int] | None) -> tuple[list[tuple[Any, ...]], dict[bytes, int]]:
+        """The eviction heap over every ``evictable`` node, and per namespace with a cap in ``caps`` the
+        pages it holds on the tier beyond that cap. Entries are ``(first, policy key, id, node, ns)``:
+        ``first`` is 0 for a namespace over its cap (its pages go first), else 1."""
+        heap: list[tuple[Any, ...]] = []
+        over: dict[bytes, int] = {}
+        for ns, root in self.roots.items():
+            cap = caps.get(ns) if caps else None
+            held = 0
+            found = []
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                if cap is not None and (node.device if on_device else node.host) is not None:
+                    held += node.n_pages
+                if evictable(node):
+                    found.append(node)
+            if cap is not None and held > cap:
+                over[ns] = held - cap
+            first = 0 if ns in over else 1
+            heap.extend((first, self._policy(n), id(n), n, ns) for n in found)
+        heapq.heapify(heap)
+        return heap, over
+
+    def _next_victim(self, heap: list[tuple[Any, ...]], over: dict[bytes, int],
+                     evictable: Callable[[TreeNode], bool]) -> tuple[TreeNode, bytes] | None:
+        """Pop the next node to evict: still evictable, and ranked first only while its namespace is still
+        over its cap (one that came back under it is ranked again with the rest)."""
+        while heap:
+            first, _, _, node, ns = heapq.heappop(heap)
+            if not evictable(node):
+                continue
+            if first == 0 and over.get(ns, 0) <= 0:
+                heapq.heappush(heap, (1, self._policy(node), id(node), node, ns))
+                continue
+            return node, ns
+        return None
+
+    @staticmethod
+    def _push(heap: list[tuple[Any, ...]], over: dict[bytes, int], key: Any, node: TreeNode, ns: bytes) -> None:
+        heapq.heappush(heap, (0 if over.get(ns, 0) > 0 else 1, key, id(node), node, ns))
+
+    def evict_device(self, n_pages: int, backup: Callable[[TreeNode], bool],
+                     caps: Mapping[bytes, int] | None = None) -> list[np.ndarray]:
         """Free at least ``n_pages`` L1 pages (fewer if not enough are evictable), policy order.
+
+        ``caps``: L1 pages per namespace digest (a tenant's share). A namespace holding more than its cap
+        loses pages first, in policy order among them, until it is back at its cap; then every namespace's
+        pages are evicted together in policy order. Without caps: policy order over all.
 
         Candidates are unlocked L1 nodes with no L1 child. A candidate already on L2 is downgraded to
         host-only. One that is not is first offered to ``backup(node)`` (write-back); if that gives it
@@ -419,14 +468,14 @@ class RadixTree:
         for first, so a freed page is never still being written. Returns the freed L1 page arrays; the
         caller returns them to the pool.
         """
-        heap = [(self._policy(n), id(n), n) for n in self.nodes() if self._l1_evictable(n)]
-        heapq.heapify(heap)
+        heap, over = self._candidates(self._l1_evictable, True, caps)
         freed: list[np.ndarray] = []
         count = 0
-        while count < n_pages and heap:
-            _, _, node = heapq.heappop(heap)
-            if not self._l1_evictable(node):
-                continue
+        while count < n_pages:
+            victim = self._next_victim(heap, over, self._l1_evictable)
+            if victim is None:
+                break
+            node, ns = victim
             if node.host is None:
                 backup(node)
             if node.host is None and node.children:
@@ -442,6 +491,8 @@ class RadixTree:
                     node.load_handle.wait()
             freed.append(node.device)
             count += node.n_pages
+            if ns in over:
+                over[ns] -= node.n_pages
             self.device_pages -= node.n_pages
             node.device = None
             node.load_handle = None
@@ -452,7 +503,7 @@ class RadixTree:
                 self._remove(node)
             assert parent is not None
             if self._l1_evictable(parent):
-                heapq.heappush(heap, (self._policy(parent), id(parent), parent))
+                self._push(heap, over, self._policy(parent), parent, ns)
         return freed
 
     def _l2_evictable(self, node: TreeNode) -> bool:
@@ -464,26 +515,29 @@ class RadixTree:
             and node.host_pin == 0
         )
 
-    def evict_host(self, n_pages: int) -> list[np.ndarray]:
+    def evict_host(self, n_pages: int, caps: Mapping[bytes, int] | None = None) -> list[np.ndarray]:
         """Free at least ``n_pages`` L2 pages from leaves that are not on L1 and not pinned.
 
-        The nodes are removed from the tree (L3, if any, still has them). Returns the freed L2 arrays.
+        The nodes are removed from the tree (L3, if any, still has them). ``caps``: L2 pages per namespace
+        digest, as for :meth:`evict_device`. Returns the freed L2 arrays.
         """
-        heap = [(self._policy(n), id(n), n) for n in self.nodes() if self._l2_evictable(n)]
-        heapq.heapify(heap)
+        heap, over = self._candidates(self._l2_evictable, False, caps)
         freed: list[np.ndarray] = []
         count = 0
-        while count < n_pages and heap:
-            _, _, node = heapq.heappop(heap)
-            if not self._l2_evictable(node):
-                continue
+        while count < n_pages:
+            victim = self._next_victim(heap, over, self._l2_evictable)
+            if victim is None:
+                break
+            node, ns = victim
             assert node.host is not None
             freed.append(node.host)
             count += node.n_pages
+            if ns in over:
+                over[ns] -= node.n_pages
             parent = node.parent
             self._remove(node)
             if parent is not None and self._l2_evictable(parent):
-                heapq.heappush(heap, (self._policy(parent), id(parent), parent))
+                self._push(heap, over, self._policy(parent), parent, ns)
         return freed
 
     def _remove(self, node: TreeNode) -> None:

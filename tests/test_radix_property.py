@@ -17,6 +17,7 @@ how often (``--hypothesis-show-statistics``).
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 from hypothesis import event, settings
@@ -32,6 +33,8 @@ tokens_st = st.lists(token_st, min_size=0, max_size=14)
 Prefix = tuple[int, ...]
 Page = tuple[bytes, Prefix]  # (namespace, whole prefix ending with the page)
 Model = dict[bytes, dict[Prefix, list[int | None]]]  # model[ns][prefix] = [device_idx | None, host_idx | None]
+# per-namespace caps (cache.tenant_shares): pages of the tier beyond which a namespace is evicted first
+caps_st = st.none() | st.dictionaries(st.sampled_from(NAMESPACES), st.integers(0, 8), min_size=1)
 
 
 def tb(tokens: list[int] | Prefix) -> bytes:
@@ -296,9 +299,24 @@ class TreeVsModel(RuleBasedStateMachine):
         assert self._path(node) == (ns, end), "a pinned node moved or left the tree"
         self.tree.unpin_host(node)
 
+    def _check_caps_first(self, caps: dict[bytes, int] | None, held_before: dict[bytes, int],
+                          lost: dict[bytes, int], evictable: Any, tier: int) -> None:
+        """A namespace at or under its cap (or without one) lost pages only once every namespace over its
+        cap was brought down to it or had nothing evictable left."""
+        if not caps:
+            return
+        over = {ns for ns, cap in caps.items() if held_before.get(ns, 0) > cap}
+        if not over or not any(lost.get(ns, 0) for ns in NAMESPACES if ns not in over):
+            return
+        event(f"caps: tier {tier} evicted past an over-cap namespace")
+        for ns in over:
+            held = sum(1 for e in self.model[ns].values() if e[tier] is not None)
+            assert held <= caps[ns] or not any(evictable(ns, p, e) for p, e in self.model[ns].items()), \
+                f"{ns!r} still over its cap {caps[ns]} ({held}) with pages to evict, yet others lost pages"
+
     @precondition(lambda self: self.has_pages("device_pages"))
-    @rule(n=st.integers(1, 8), backup=st.booleans())
-    def evict_device(self, n: int, backup: bool) -> None:
+    @rule(n=st.integers(1, 8), backup=st.booleans(), caps=caps_st)
+    def evict_device(self, n: int, backup: bool, caps: dict[bytes, int] | None) -> None:
         locked = self._covered(self.locks)
         dev_before = self._indices(0)
         host_before = set(self._indices(1))
@@ -314,7 +332,7 @@ class TreeVsModel(RuleBasedStateMachine):
             return True
 
         l1_before = self.tree.device_pages
-        freed = self.tree.evict_device(n, do_backup)
+        freed = self.tree.evict_device(n, do_backup, caps)
         flat = np.concatenate(freed).tolist() if freed else []
         freed_set = set(flat)
         assert len(flat) == len(freed_set), "an L1 page freed twice"
@@ -343,6 +361,15 @@ class TreeVsModel(RuleBasedStateMachine):
                 del self.model[ns][p]
         for ns, p in locked:
             assert self.model[ns].get(p, [None])[0] is not None, "a locked page is off L1"
+        held_before: dict[bytes, int] = {}
+        for ns, _ in dev_before.values():
+            held_before[ns] = held_before.get(ns, 0) + 1
+        lost: dict[bytes, int] = {}
+        for d in flat:
+            lost[dev_before[d][0]] = lost.get(dev_before[d][0], 0) + 1
+        self._check_caps_first(caps, held_before, lost, lambda ns, p, e: (
+            e[0] is not None and (ns, p) not in locked and not self._has_child(ns, p, 0)
+            and (e[1] is not None or backup or not self._has_child(ns, p))), 0)
 
         if count < n:  # only stops early when nothing evictable is left
             for ns, m in self.model.items():
@@ -364,14 +391,14 @@ class TreeVsModel(RuleBasedStateMachine):
             event("evict_device: backed up to L2")
 
     @precondition(lambda self: self.has_pages("host_pages"))
-    @rule(n=st.integers(1, 8))
-    def evict_host(self, n: int) -> None:
+    @rule(n=st.integers(1, 8), caps=caps_st)
+    def evict_host(self, n: int, caps: dict[bytes, int] | None) -> None:
         pinned = self._covered(self.pins)
         dev_before = set(self._indices(0))
         host_before = self._indices(1)
         n_pinned = len(pinned.keys() & set(host_before.values()))  # pinned pages that are on L2
         l2_before = self.tree.host_pages
-        freed = self.tree.evict_host(n)
+        freed = self.tree.evict_host(n, caps)
         flat = np.concatenate(freed).tolist() if freed else []
         freed_set = set(flat)
         assert len(flat) == len(freed_set), "an L2 page freed twice"
@@ -393,6 +420,14 @@ class TreeVsModel(RuleBasedStateMachine):
             assert (ns, p) not in pinned, "a pinned page was evicted from L2"
             assert self.model[ns][p][0] is None, "an L1 page was evicted from L2"
             del self.model[ns][p]
+        held_before: dict[bytes, int] = {}
+        for ns, _ in host_before.values():
+            held_before[ns] = held_before.get(ns, 0) + 1
+        lost: dict[bytes, int] = {}
+        for h in flat:
+            lost[host_before[h][0]] = lost.get(host_before[h][0], 0) + 1
+        self._check_caps_first(caps, held_before, lost, lambda ns, p, e: (
+            e[0] is None and e[1] is not None and (ns, p) not in pinned and not self._has_child(ns, p)), 1)
 
         if count < n:  # only stops early when nothing evictable is left
             for ns, m in self.model.items():

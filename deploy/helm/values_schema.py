@@ -109,7 +109,10 @@ def config_schema() -> Schema:
             "io_backend": enum(IO_BACKENDS), "max_pinned_fraction": number(0, 1),
             "transfer_options": obj({**{k: integer(low) for k, low in TRANSFER_INT_OPTIONS.items()},
                                      **{k: enum(list(v)) for k, v in TRANSFER_CHOICE_OPTIONS.items()}},
-                                    description="tuning of the GPU transfer engine")},
+                                    description="tuning of the GPU transfer engine"),
+            "tenant_shares": {"type": "object", "additionalProperties": {**number(maximum=1, positive=True)},
+                              "description": "tenant -> share of L1 and L2 beyond which its pages are "
+                                             "evicted first ('*': tenants not listed)"}},
             description="cache.device is set by the chart (node.gpu.enabled)"),
         "storage": obj({
             "prefetch_policy": enum(PREFETCH_POLICIES), "prefetch_threshold_tokens": integer(0),
