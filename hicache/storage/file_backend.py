@@ -17,6 +17,19 @@ and the rename. Temporary files older than ``tmp_max_age_s`` are removed when th
 object stores (s3, gs), where an object only appears once its upload completed, pages are written in
 place.
 
+Damaged pages: a file that fails verification is counted (``corrupt_pages``) and, with
+``delete_corrupt``, deleted -- but only the damaged file that was read: several nodes share the store, and
+one of them may have renamed a good copy into place since. The read notes the length and SHA1 of what it
+read; the delete compares the file with that first. On a local disk or mount the file is first renamed
+aside to a private ``.<name>.<pid>.<random>.del.tmp`` (atomic, like the writers' renames), so whatever is
+compared is what gets deleted; a file that is not the one read goes back with a hard link, which never
+replaces a newer page written meanwhile (for the moment it is aside the page reads as a miss). Where the
+filesystem has no hard links it goes back by a rename when nothing took its place, a window of one
+``lstat``. Other stores (s3, gs, hdfs, a ``filesystem`` object) have no such rename through pyarrow.fs:
+the file is read again and deleted if it still matches, so a good page written between that read and the
+delete is lost (a later miss, never a wrong page). ``extra["corrupt_deleted"]`` counts the files
+actually deleted.
+
 Size cap (``max_bytes``, 0 = none): the backend tracks the pages it knows of (scanned when opened, and
 again at most every ``rescan_s`` seconds during writes; plus its own writes; reads refresh a page) and,
 when the total passes the cap, deletes the oldest pages until it is below ``sweep_to`` of the cap. A
@@ -42,6 +55,7 @@ it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -67,6 +81,24 @@ _OBJECT_STORES = ("s3", "gs")
 PAGE_SUFFIX = ".page"
 INLINE_PAGE_BYTES = 256 << 10  # local pages smaller than this are read/written on the caller's thread
 TMP_SUFFIX = ".tmp"
+Seen = tuple[int, bytes]  # a damaged file as read: its length and SHA1 (hex)
+
+
+def _seen(*parts: bytes | bytearray | memoryview) -> Seen:
+    h = hashlib.sha1(usedforsecurity=False)
+    for p in parts:
+        h.update(p)
+    return sum(len(p) for p in parts), h.hexdigest().encode()
+
+
+def _seen_reader(read: Callable[[int], bytes]) -> Seen:
+    """:func:`_seen` of everything ``read`` returns from where it stands to the end."""
+    h = hashlib.sha1(usedforsecurity=False)
+    n = 0
+    while chunk := read(1 << 20):
+        h.update(chunk)
+        n += len(chunk)
+    return n, h.hexdigest().encode()
 
 
 @register_backend("file", "s3", "hdfs", "gs")
@@ -365,15 +397,20 @@ class FileBackend(StorageBackend):
         self._check_lengths(keys, host_indices)
         ns = self.ctx.namespace_digest
         pio = PageIO(host_pool)
+        keep = self.delete_corrupt
+        seen: list[Seen | None] = [None] * len(keys)  # damaged files as read, for the conditional delete
 
         def one(i: int) -> int:
             key, page = keys[i], int(host_indices[i])
             p = self.path(key)
             dst = pio.target(page)
+            header: bytes | bytearray
             if self._local:
                 fd = os.open(p, os.O_RDONLY)
                 try:
                     if os.fstat(fd).st_size != self._frame_bytes:
+                        if keep:
+                            seen[i] = _seen_reader(lambda k: os.read(fd, k))
                         return CORRUPT
                     header = bytearray(HEADER_BYTES)
                     got = os.readv(fd, [header, dst]) - HEADER_BYTES
@@ -382,10 +419,14 @@ class FileBackend(StorageBackend):
             else:
                 with self.fs.open_input_file(p) as f:
                     if f.size() != self._frame_bytes:
+                        if keep:
+                            seen[i] = _seen_reader(f.read)
                         return CORRUPT
                     header = f.read(HEADER_BYTES)
                     got = f.readinto(dst)
             if got != self._page_bytes or encode_header(dst, ns, key) != header:
+                if keep and got == self._page_bytes:  # (a short read: the file changed under us; kept)
+                    seen[i] = _seen(header, dst)
                 return CORRUPT
             pio.commit(page, dst)
             self._touch(p)
@@ -398,8 +439,8 @@ class FileBackend(StorageBackend):
             self._count(corrupt_pages=len(bad))
             log.warning("file store %s: %d page(s) failed frame verification (treated as misses)",
                         self.root, len(bad))
-            if self.delete_corrupt:
-                self.delete(bad)
+            if keep:
+                self._delete_damaged([(keys[i], s) for i, s in enumerate(seen) if s is not None])
         errors = sum(r == ERROR for r in res)
         if errors:
             self._count(errors=errors)
@@ -414,6 +455,61 @@ class FileBackend(StorageBackend):
                 n += 1
             self._forget(p)
         return n
+
+    def _delete_damaged(self, damaged: list[tuple[bytes, Seen]]) -> int:
+        """Delete each page's file only if it is still the damaged file read (see the module docstring);
+        returns how many were deleted."""
+        n = 0
+        for key, seen in damaged:
+            p = self.path(key)
+            try:
+                gone = self._delete_aside(p, seen) if self._local else self._delete_if_same(p, seen)
+            except OSError as e:
+                log.debug("file store: delete of damaged %s failed: %s", p, e)
+                gone = False
+            if gone:
+                n += 1
+                self._forget(p)
+        self._count_extra("corrupt_deleted", n)
+        return n
+
+    @staticmethod
+    def _delete_aside(p: str, seen: Seen) -> bool:
+        """Local: rename ``p`` aside (atomic), delete it if it is what was read, else put it back."""
+        d, name = p.rsplit("/", 1)
+        aside = f"{d}/.{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.del{TMP_SUFFIX}"
+        try:
+            os.rename(p, aside)
+        except FileNotFoundError:  # gone already (another node deleted it)
+            return False
+        try:
+            with open(aside, "rb", buffering=0) as f:
+                same = _seen_reader(f.read) == seen
+        except OSError:
+            same = False
+        if same:
+            os.unlink(aside)
+            return True
+        try:
+            os.link(aside, p)  # back in place, unless a newer page took it: a link never replaces
+        except FileExistsError:
+            pass  # the newer page stays
+        except OSError:  # no hard links here: back by a rename, if nothing took its place
+            if not os.path.lexists(p):
+                os.rename(aside, p)
+                return False
+        os.unlink(aside)
+        return False
+
+    def _delete_if_same(self, p: str, seen: Seen) -> bool:
+        """Stores without an atomic rename aside: read ``p`` again, delete it if it still matches."""
+        try:
+            with self.fs.open_input_file(p) as f:
+                if _seen_reader(f.read) != seen:
+                    return False
+        except OSError:  # gone, or unreadable: leave it
+            return False
+        return self._delete_path(p)
 
     def clear(self) -> None:
         """Delete every page (and temporary file) under the root."""

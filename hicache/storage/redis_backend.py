@@ -32,6 +32,16 @@ that returned ``n`` hold valid data (later pages may have been overwritten with 
 that cannot be one of our pages (a string of the wrong size, a value of another type) is a damaged page,
 like a frame that fails verification.
 
+Damaged pages are counted (``corrupt_pages``) and, with ``delete_corrupt``, deleted -- but only the
+damaged value that was read: several nodes share the store, and one of them may have written a good copy
+of the page under the same key since. The delete is a small Lua script, atomic on the server, one key
+per call (``EVALSHA``, sent again as ``EVAL`` where a node answers ``NOSCRIPT``): a string is deleted
+only if its length and SHA1 are still those of the value read; a value of another type only while the
+key still holds something other than a string. Anything else there (a good rewrite, other damage) is
+left alone. ``extra["corrupt_deleted"]`` counts the values actually deleted. A store that refuses
+scripts keeps its damaged values (an error counted per batch; each read of one is a counted miss, and
+the next write of the page replaces it).
+
 Failure model: every operation is retried on transient errors (connection, timeout, waiting longer than
 ``timeout_s`` for a connection, MOVED / LOADING / ...) with backoff; when it still fails the error is
 counted, the operation reports a miss / nothing stored, and a circuit breaker keeps later operations off
@@ -50,6 +60,7 @@ the operation goes out again, in ``extra["retries"]`` (once per round).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -74,7 +85,7 @@ from hicache.storage.threads import io_pool
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-OK, MISS, CORRUPT, REDIRECT = 0, 1, 2, 3
+OK, MISS, CORRUPT, REDIRECT, NOSCRIPT = 0, 1, 2, 3, 4
 _MAX_REDIRECTS = 5  # rounds of MOVED / ASK within one call before it fails as a transient error
 _TRANSIENT_REPLIES = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "MASTERDOWN", "READONLY", "BUSY")
 # What redis-py (the ``pipeline`` wire) makes of those replies: MovedError is an AskError,
@@ -138,6 +149,52 @@ def _wrong_type(e: BaseException) -> bool:
     return isinstance(e, redis.exceptions.ResponseError) and str(e).startswith("WRONGTYPE")
 
 
+# Deletes KEYS[1] only if it still holds the damaged value read there: ARGV[1] its length and ARGV[2] its
+# SHA1 (hex) for a string; ARGV[1] == "-1" for a value of another type (deleted while it is not a string).
+# Returns how many keys it deleted (0 or 1).
+_DELETE_DAMAGED = b"""\
+local t = redis.call('TYPE', KEYS[1])['ok']
+if ARGV[1] == '-1' then
+  if t == 'none' or t == 'string' then return 0 end
+  return redis.call('DEL', KEYS[1])
+end
+if t ~= 'string' or redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[1]) then return 0 end
+if redis.sha1hex(redis.call('GET', KEYS[1])) ~= ARGV[2] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+_DELETE_DAMAGED_SHA = hashlib.sha1(_DELETE_DAMAGED).hexdigest().encode()
+_OTHER_TYPE: tuple[int, bytes] = (-1, b"")  # what was read: a value of another type than a string
+
+
+def _fingerprint(*parts: bytes | bytearray | memoryview) -> tuple[int, bytes]:
+    """(length, SHA1 hex) of a damaged value as read: what the conditional delete compares."""
+    h = hashlib.sha1(usedforsecurity=False)
+    for p in parts:
+        h.update(p)
+    return sum(len(p) for p in parts), h.hexdigest().encode()
+
+
+def _skip_fingerprint(rd: RespReader, n: int) -> tuple[int, bytes]:
+    """Consume a bulk string's ``n`` bytes and its CRLF, returning their :func:`_fingerprint`."""
+    h = hashlib.sha1(usedforsecurity=False)
+    buf = memoryview(bytearray(min(n, 1 << 20)))
+    left = n
+    while left:
+        k = min(left, len(buf))
+        rd.readinto(buf[:k])
+        h.update(buf[:k])
+        left -= k
+    rd.expect_crlf()
+    return n, h.hexdigest().encode()
+
+
+def _noscript(e: BaseException) -> bool:
+    """A ``NOSCRIPT`` reply: the node has no script of that SHA1 cached (an ``EVAL`` caches it)."""
+    if isinstance(e, ReplyError):
+        return e.kind == "NOSCRIPT"
+    return isinstance(e, redis.exceptions.NoScriptError)
+
+
 def _headers(payloads: list[memoryview], ns: bytes, keys: list[bytes]) -> list[bytes]:
     return [encode_header(p, ns, k) for p, k in zip(payloads, keys, strict=True)]
 
@@ -151,6 +208,10 @@ class _Item:
     key: bytes  # page key
     page: int  # host page index
     redirect: redis.exceptions.AskError | None = None  # the last MOVED / ASK reply to this page
+    damaged: tuple[int, bytes] | None = None  # a damaged value read here: its _fingerprint, or _OTHER_TYPE
+
+
+_NodeFn = Callable[[redis.Redis, list[_Item], bool], list[int]]  # one node's part of a batch -> codes
 
 
 @register_backend("redis", "rediss", "redis+sentinel", "rediss+sentinel", "redis+cluster", "rediss+cluster")
@@ -418,21 +479,26 @@ class RedisBackend(StorageBackend):
         return res[1::2]
 
     # ------------------------------------------------------------------ exists / delete
-    def _ints(self, cmd: bytes) -> Callable[[redis.Redis, list[_Item], bool], list[int]]:
+    def _ints(self, args: Callable[[_Item], tuple[bytes, ...]]) -> _NodeFn:
+        """A node call sending ``args(page)`` per page and reading one integer reply each (``REDIRECT``
+        for a page redirected, ``NOSCRIPT`` for an ``EVALSHA`` the node has no script for)."""
         def node(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
             if self.opts.wire == "pipeline":
                 p = client.pipeline(transaction=False)
                 for it in its:
                     if asking:
                         p.execute_command("ASKING")
-                    p.execute_command(cmd.decode(), it.rkey)
+                    p.execute_command(*args(it))
                 res = self._drop_asking(p.execute(raise_on_error=False), asking)
                 out = []
                 for it, r in zip(its, res, strict=True):
                     if isinstance(r, Exception):
-                        if not self._redirected(it, r):
+                        if self._redirected(it, r):
+                            out.append(REDIRECT)
+                        elif _noscript(r):
+                            out.append(NOSCRIPT)
+                        else:
                             raise r
-                        out.append(REDIRECT)
                     else:
                         out.append(int(r))
                 return out
@@ -440,7 +506,7 @@ class RedisBackend(StorageBackend):
             ask = pack(b"ASKING") if asking else b""
 
             def io(conn: Any, sock: Any) -> list[int]:
-                conn.send_packed_command([b"".join(ask + pack(cmd, it.rkey) for it in its)], check_health=False)
+                conn.send_packed_command([b"".join(ask + pack(*args(it)) for it in its)], check_health=False)
                 rd = RespReader(sock)
                 out: list[int] = []
                 errs: list[ReplyError] = []
@@ -450,8 +516,12 @@ class RedisBackend(StorageBackend):
                     try:
                         out.append(rd.read_int())
                     except ReplyError as e:
-                        out.append(REDIRECT)
-                        if not self._redirected(it, e):
+                        if self._redirected(it, e):
+                            out.append(REDIRECT)
+                        elif _noscript(e):
+                            out.append(NOSCRIPT)
+                        else:
+                            out.append(MISS)
                             errs.append(e)
                 if rd.buffered:
                     raise ConnectionError("redis: unexpected extra reply bytes")
@@ -465,7 +535,7 @@ class RedisBackend(StorageBackend):
         return node
 
     def batch_exists(self, keys: Sequence[bytes]) -> int:
-        res = self._run(self._items(keys), self._ints(b"EXISTS"))
+        res = self._run(self._items(keys), self._ints(lambda it: (b"EXISTS", it.rkey)))
         if res is None:
             return 0
         n = 0
@@ -476,8 +546,35 @@ class RedisBackend(StorageBackend):
         return n
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        res = self._run(self._items(keys), self._ints(b"DEL"))
+        res = self._run(self._items(keys), self._ints(lambda it: (b"DEL", it.rkey)))
         return 0 if res is None else sum(res)
+
+    def _delete_damaged(self, damaged: list[_Item]) -> int:
+        """Delete each page's key only if it still holds the damaged value read there (``it.damaged``):
+        one atomic script call per key (see ``_DELETE_DAMAGED``). Returns how many were deleted."""
+        items = [_Item(i, it.rkey, it.key, -1, damaged=it.damaged) for i, it in enumerate(damaged)]
+
+        def args(cmd: bytes, script: bytes) -> Callable[[_Item], tuple[bytes, ...]]:
+            def one(it: _Item) -> tuple[bytes, ...]:
+                assert it.damaged is not None
+                return cmd, script, b"1", it.rkey, str(it.damaged[0]).encode(), it.damaged[1]
+            return one
+
+        evalsha = self._ints(args(b"EVALSHA", _DELETE_DAMAGED_SHA))
+        eval_ = self._ints(args(b"EVAL", _DELETE_DAMAGED))
+
+        def node(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
+            out = evalsha(client, its, asking)
+            again = [j for j, r in enumerate(out) if r == NOSCRIPT]
+            if again:  # the node has not cached the script (restarted, flushed, new): EVAL caches it
+                for j, r in zip(again, eval_(client, [its[j] for j in again], asking), strict=True):
+                    out[j] = r
+            return out
+
+        res = self._run(items, node)
+        n = 0 if res is None else sum(r == 1 for r in res)
+        self._count_extra("corrupt_deleted", n)
+        return n
 
     # ------------------------------------------------------------------ set
     def _set_suffix(self) -> bytes:
@@ -590,6 +687,7 @@ class RedisBackend(StorageBackend):
         pio = PageIO(host_pool)
         ttl_ms = str(max(1, int(self.opts.ttl_s * 1000))).encode() if self.opts.ttl_s > 0 else b""
         touch = bool(ttl_ms) and self.opts.touch_on_read
+        keep = self.opts.delete_corrupt  # note what a damaged page held, for the conditional delete
 
         def cmd(it: _Item) -> bytes:
             return pack(b"GETEX", it.rkey, b"PX", ttl_ms) if touch else pack(b"GET", it.rkey)
@@ -613,13 +711,18 @@ class RedisBackend(StorageBackend):
                             continue
                         if is_transient(blob):
                             raise blob
-                        out.append(CORRUPT if _wrong_type(blob) else MISS)
+                        if _wrong_type(blob):
+                            it.damaged = _OTHER_TYPE
+                            out.append(CORRUPT)
+                        else:
+                            out.append(MISS)
                     elif blob is None:
                         out.append(MISS)
                     else:
                         try:
                             pl = decode_frame(blob, self.ctx.namespace_digest, it.key, self._page_bytes)
                         except FrameError:
+                            it.damaged = _fingerprint(blob) if keep else None
                             out.append(CORRUPT)
                             continue
                         dst = pio.target(it.page)
@@ -636,6 +739,7 @@ class RedisBackend(StorageBackend):
                 out = [MISS] * len(its)
                 checks: list[Future[list[tuple[int, bool]]]] = []
                 group: list[tuple[int, bytes, memoryview, bytes]] = []
+                held: dict[int, tuple[bytearray, memoryview]] = {}  # zero-copy pages read: header, page
                 errs: list[ReplyError] = []
                 for j, it in enumerate(its):
                     if asking:
@@ -646,6 +750,7 @@ class RedisBackend(StorageBackend):
                         if self._redirected(it, e):
                             out[j] = REDIRECT
                         elif _wrong_type(e):
+                            it.damaged = _OTHER_TYPE
                             out[j] = CORRUPT
                         else:
                             errs.append(e)
@@ -653,8 +758,11 @@ class RedisBackend(StorageBackend):
                     if n < 0:
                         continue
                     if n != self._frame_bytes:  # wrong size: not one of our pages
-                        rd.skip(n)
-                        rd.expect_crlf()
+                        if keep:
+                            it.damaged = _skip_fingerprint(rd, n)
+                        else:
+                            rd.skip(n)
+                            rd.expect_crlf()
                         out[j] = CORRUPT
                         continue
                     header = bytearray(HEADER_BYTES)
@@ -663,6 +771,8 @@ class RedisBackend(StorageBackend):
                     rd.readinto(dst)
                     rd.expect_crlf()
                     if pio.zero_copy:  # verify on the hash threads while the next pages arrive
+                        if keep:
+                            held[j] = (header, dst)
                         group.append((j, bytes(header), dst, it.key))
                         if len(group) >= self._group:
                             checks.append(self._hasher.submit(self._verify_group, group))
@@ -671,6 +781,7 @@ class RedisBackend(StorageBackend):
                         pio.commit(it.page, dst)
                         out[j] = OK
                     else:
+                        it.damaged = _fingerprint(header, dst) if keep else None
                         out[j] = CORRUPT
                 if rd.buffered:
                     raise ConnectionError("redis: unexpected extra reply bytes")
@@ -679,6 +790,8 @@ class RedisBackend(StorageBackend):
                 for f in checks:
                     for j, good in f.result():
                         out[j] = OK if good else CORRUPT
+                        if not good and keep:  # the host page still holds the bytes read
+                            its[j].damaged = _fingerprint(*held[j])
                 self._raise_transient(errs)
                 return out
 
@@ -693,12 +806,13 @@ class RedisBackend(StorageBackend):
             if r != OK:
                 break
             n += 1
-        bad = [items[i].key for i, r in enumerate(res) if r == CORRUPT]
+        bad = [items[i] for i, r in enumerate(res) if r == CORRUPT]
         if bad:
             self._count(corrupt_pages=len(bad))
             log.warning("redis get: %d page(s) failed frame verification (treated as misses)", len(bad))
-            if self.opts.delete_corrupt:
-                self.delete(bad)
+            damaged = [it for it in bad if it.damaged is not None]
+            if self.opts.delete_corrupt and damaged:
+                self._delete_damaged(damaged)
         self._count(gets=n, get_misses=len(keys) - n, bytes_read=n * self._page_bytes)
         return n
 
