@@ -169,10 +169,35 @@ class HiCache:
                 caps[digest] = int(share * capacity)
         return caps
 
+    def tenant_pages(self) -> dict[str, tuple[int, int]]:
+        """Pages (L1, L2) each tenant named in ``cache.tenant_shares`` holds now (``"*"`` is no tenant)."""
+        named = [t for t in self._shares if t != "*"]
+        out = dict.fromkeys(named, (0, 0))
+        with self._lock:
+            for digest, root in self.tree.roots.items():
+                tenant = self._tenant_of.get(digest)
+                if tenant not in out:
+                    continue
+                l1, l2 = out[tenant]
+                stack = list(root.children.values())
+                while stack:
+                    node = stack.pop()
+                    stack.extend(node.children.values())
+                    l1 += node.n_pages if node.device is not None else 0
+                    l2 += node.n_pages if node.host is not None else 0
+                out[tenant] = (l1, l2)
+        return out
+
     def _refresh_metrics(self) -> None:
         """At a scrape: gauges and L3 counters as they are now (the tree lock guards the bookkeeping)."""
         with self._lock:
             self._update_gauges()
+        if self._shares:
+            m = self.metrics
+            for tenant, (l1, l2) in self.tenant_pages().items():
+                m.tenant_pages.labels(tenant, "l1").set(l1)
+                m.tenant_pages.labels(tenant, "l2").set(l2)
+                m.tenant_share.labels(tenant).set(self._shares[tenant])
 
     def _update_gauges(self) -> None:
         m = self.metrics

@@ -157,3 +157,20 @@ def test_the_caps_follow_the_tiers_and_forget_nothing_a_tree_holds() -> None:
     assert cache._caps(32) == {a.digest: 16, b.digest: 8, cache.namespace().digest: 8}
     assert make(None)._caps(L1_PAGES) is None
     assert np.all(cache.tree.all_device_pages() >= 0)
+
+
+def test_tenant_usage_is_counted_and_exported_at_a_scrape() -> None:
+    from prometheus_client import generate_latest
+
+    cache = make({"acme": 0.5, "": 0.25, "*": 0.25})
+    acme, other = cache.namespace("acme"), cache.namespace("other")
+    compute(cache, prompt(1, 3), acme, seed=1)
+    compute(cache, prompt(2, 2), cache.namespace(), seed=2)
+    compute(cache, prompt(3, 4), other, seed=3)  # "*" only: not shown
+    assert cache.tenant_pages() == {"acme": (3, 0), "": (2, 0)}
+    cache._refresh_metrics()
+    text = generate_latest(cache.metrics.registry).decode()
+    assert 'hicache_tenant_pages{tenant="acme",tier="l1"} 3.0' in text
+    assert 'hicache_tenant_pages{tenant="",tier="l1"} 2.0' in text
+    assert 'hicache_tenant_share{tenant="acme"} 0.5' in text
+    assert 'tenant="other"' not in text
