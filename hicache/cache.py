@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,7 @@ from hicache.transfer import TransferHandle, create_engine
 
 __all__ = ["CacheFullError", "CommitResult", "HiCache", "LoadResult", "PinInfo", "Request"]
 
-TENANT_MEMORY = 1 << 16  # namespaces whose tenant the cache remembers for cache.tenant_shares
+TENANT_MEMORY = 1 << 16  # namespaces without pages whose tenant the cache remembers (cache.tenant_shares)
 SELECTIVE_THRESHOLD = 2  # write_through_selective backs a node up at its second use (the insert is the first)
 
 
@@ -106,6 +107,7 @@ class HiCache:
         self.tree = RadixTree(self.page_size, c.eviction_policy)
         self._shares = dict(c.tenant_shares)
         self._tenant_of: dict[bytes, str] = {}  # namespace digest -> tenant, with shares (see _note_tenant)
+        self._share_pages: dict[int, dict[str, int]] = {}  # tier capacity -> tenant -> its cap (see _caps)
         self.metrics = metrics or Metrics()
         self.write_policy = c.write_policy
         self._lock = threading.RLock()
@@ -147,26 +149,39 @@ class HiCache:
                              f"{self.layout.describe()}")
 
     def _note_tenant(self, ns: Namespace) -> None:
-        """Under the lock, with ``cache.tenant_shares`` set: remember whose namespace ``ns.digest`` is (the
-        tree knows digests only), most recent last; the oldest of more than TENANT_MEMORY are forgotten."""
-        if self._shares:
-            self._tenant_of.pop(ns.digest, None)
-            self._tenant_of[ns.digest] = ns.tenant
-            if len(self._tenant_of) > TENANT_MEMORY:
-                del self._tenant_of[next(iter(self._tenant_of))]
+        """Under the lock, before ``ns`` may gain pages (a match, a commit, a prefetch landing): remember
+        whose namespace ``ns.digest`` is (the tree knows digests only) when a share of ``cache.tenant_shares``
+        applies to its tenant, most recent last. A namespace with pages in the tree is never forgotten, so its
+        tenant's share applies to them as long as they stay; of the others (lookups that left nothing), once
+        there are more than TENANT_MEMORY, the oldest are forgotten, down to half of it."""
+        shares = self._shares
+        if not shares or (ns.tenant not in shares and "*" not in shares):
+            return
+        known, roots = self._tenant_of, self.tree.roots
+        known.pop(ns.digest, None)
+        known[ns.digest] = ns.tenant
+        if len(known) > TENANT_MEMORY + len(roots):  # so more than TENANT_MEMORY without pages
+            idle = [d for d in known if d not in roots and d != ns.digest]
+            for d in idle[: len(idle) - TENANT_MEMORY // 2]:
+                del known[d]
 
     def _caps(self, capacity: int) -> dict[bytes, int] | None:
         """Per namespace in the tree, the pages of a tier of ``capacity`` pages beyond which its tenant's
-        pages are evicted first (``cache.tenant_shares``); None without shares."""
+        pages are evicted first (``cache.tenant_shares``); None without shares. The share is taken as the
+        decimal the config wrote (0.29 of 100 pages is 29, where ``0.29 * 100`` is 28.999...)."""
         if not self._shares:
             return None
+        per_tenant = self._share_pages.get(capacity)
+        if per_tenant is None:
+            per_tenant = self._share_pages[capacity] = {
+                t: int(Fraction(repr(float(s))) * capacity) for t, s in self._shares.items()}
         caps = {}
-        default = self._shares.get("*")
+        default = per_tenant.get("*")
         for digest in self.tree.roots:
             tenant = self._tenant_of.get(digest)
-            share = None if tenant is None else self._shares.get(tenant, default)
-            if share is not None:
-                caps[digest] = int(share * capacity)
+            cap = None if tenant is None else per_tenant.get(tenant, default)
+            if cap is not None:
+                caps[digest] = cap
         return caps
 
     def tenant_pages(self) -> dict[str, tuple[int, int]]:
@@ -447,6 +462,7 @@ class HiCache:
             if n == 0:
                 return 0
             end = start + n
+            self._note_tenant(req.ns)  # as at a commit: the run may be the namespace's first pages
             try:
                 res = self.tree.insert(req.ns.digest, req.token_bytes[: end * self.page_size * 4], req.keys[:end],
                                        host=task.host_pages[:n], start_page=start)
@@ -574,6 +590,7 @@ class HiCache:
         keys = req.keys[:n] if n <= known else req.keys + page_keys_from_bytes(
             req.ns.digest, tb, self.page_size, req.keys[-1] if req.keys else None, known)
         with self._lock:
+            self._note_tenant(req.ns)  # it may have been forgotten since its match, while it had no pages
             owned = np.concatenate(req.owned_device) if req.owned_device else EMPTY
             prefix = len(req.device_indices)
             if prefix > n or not np.array_equal(dev[:prefix], req.device_indices[:prefix]):
