@@ -110,7 +110,10 @@ def config_schema() -> Schema:
             "transfer_options": obj({**{k: integer(low) for k, low in TRANSFER_INT_OPTIONS.items()},
                                      **{k: enum(list(v)) for k, v in TRANSFER_CHOICE_OPTIONS.items()}},
                                     description="tuning of the GPU transfer engine"),
-            "tenant_shares": {"type": "object", "additionalProperties": {**number(maximum=1, positive=True)},
+            # Helm's toYaml cannot write a key holding DEL, a C1 control or U+FFFE / U+FFFF: it would
+            # render an empty hicache.yaml, so the schema refuses such tenant names
+            "tenant_shares": {"type": "object", "additionalProperties": False, "patternProperties": {
+                                  "^[^\u007f-\u009f\ufffe\uffff]*$": number(maximum=1, positive=True)},
                               "description": "tenant -> share of L1 and L2 beyond which its pages are "
                                              "evicted first ('*': tenants not listed)"}},
             description="cache.device is set by the chart (node.gpu.enabled)"),
