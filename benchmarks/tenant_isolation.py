@@ -65,7 +65,7 @@ def run(reqs: list[tuple[str, np.ndarray]], l1: int, l2: int, shares: dict[str, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=600, help="acme's requests")
-    ap.add_argument("--flood", type=int, default=2, help="batch's one-off prompts per acme request")
+    ap.add_argument("--flood", type=int, default=2, help="batch's requests per acme request")
     ap.add_argument("--share", type=float, default=0.2, help="batch's share of L1 and L2 in the capped run")
     ap.add_argument("--l1", type=float, default=0.3, help="L1 as a fraction of acme's working set")
     ap.add_argument("--l2", type=float, default=0.6, help="L2 as a fraction of acme's working set")
@@ -100,8 +100,9 @@ def main() -> int:
     }
     wall = time.perf_counter() - t0
     base = results["alone"]["acme"]
-    print(f"acme: RAG, {args.requests} requests, working set {ws / 1000:.0f}k tokens; batch: {args.flood} one-off "
-          f"prompts per acme request; L1 {l1 / 1000:.0f}k tokens ({args.l1:.0%}), L2 {l2 / 1000:.0f}k "
+    what = "one-off prompts" if args.noisy == "oneoff" else f"{args.noisy} requests (spans x{args.scale:g})"
+    print(f"acme: RAG, {args.requests} requests, working set {ws / 1000:.0f}k tokens; batch: {args.flood} {what} "
+          f"per acme request; L1 {l1 / 1000:.0f}k tokens ({args.l1:.0%}), L2 {l2 / 1000:.0f}k "
           f"({args.l2:.0%}); page {PAGE}; {platform.processor() or platform.machine()}, {wall:.1f} s")
     print(f"{'run':28s} {'acme hit':>9s} {'vs alone':>9s} {'batch hit':>10s}")
     rows: list[dict[str, Any]] = []
