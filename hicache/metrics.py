@@ -83,8 +83,8 @@ class Metrics:
         self.writeback_queue = Gauge("hicache_writeback_queue_pages", "Pages waiting to be written to L3",
                                      registry=r)
         self.tenant_pages = Gauge("hicache_tenant_pages", "Pages a tenant named in cache.tenant_shares holds, by "
-                                  "tenant and tier ('\"\"': requests without a tenant; tenants only '*' covers "
-                                  "are not shown)", ["tenant", "tier"], registry=r)
+                                  "tenant and tier (tenant \"\" shows as a series without the tenant label; tenants "
+                                  "only '*' covers are not shown)", ["tenant", "tier"], registry=r)
         self.tenant_share = Gauge("hicache_tenant_share", "The share of each tier (cache.tenant_shares) beyond "
                                   "which a tenant's pages are evicted first, by tenant", ["tenant"], registry=r)
         self.prefetch_inflight_bytes = Gauge("hicache_prefetch_inflight_bytes", "Bytes of L3 prefetches in flight",

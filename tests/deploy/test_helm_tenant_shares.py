@@ -84,3 +84,12 @@ BAD = [
 def test_schema_rejects_bad_shares(shares: Any, where: str) -> None:
     with pytest.raises(helm.HelmValuesError, match=where):
         render({"config": {"cache": {"tenant_shares": shares}}})
+
+
+@pytest.mark.parametrize("where", [{"model": {"name": "a\x7fb"}}, {"storage": {"options": {"prefix": "p\x7f"}}},
+                                   {"model": {"tenant": "\uffff"}}])
+def test_a_config_string_toyaml_cannot_write_fails_the_render(where: dict[str, Any]) -> None:
+    """Anywhere in ``config`` (not only tenant names): the render fails, naming why, instead of handing the
+    node an empty hicache.yaml (it would start on the defaults)."""
+    with pytest.raises(helm.HelmRenderError, match="Helm cannot write it as YAML"):
+        render({"config": where})

@@ -183,7 +183,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- $storage := $c.storage | default dict }}
 {{- $_ := set $storage "url" "" }}
 {{- $_ := set $c "storage" $storage }}
-{{- toYaml $c }}
+{{- $out := toYaml $c }}
+{{- if not $out }}
+{{- fail "config: Helm cannot write it as YAML: a string in it holds a character toYaml drops (DEL, a C1 control, U+FFFE or U+FFFF); remove it" }}
+{{- end }}
+{{- $out }}
 {{- end }}
 
 {{/* Sizes in bytes of the node's pools, computed as hicache does (hicache.layout.KVLayout,
