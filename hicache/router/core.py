@@ -29,8 +29,16 @@ from hicache.router.config import NodeSpec, RouterConfig
 from hicache.router.index import NO_MATCH, Applied, KVIndex
 from hicache.router.load import InflightTracker, QueueDepth
 from hicache.router.scoring import Candidate, RoutingPolicy, Score, create_policy, policy_names
+from hicache.service.validation import shown
 
 log = logging.getLogger("hicache.router")
+LISTED = 8  # items an error message lists, at most: gRPC sends it in a trailer that clients cap (8 KiB)
+
+
+def listed(items: Sequence[str]) -> str:
+    """``items`` joined for an error message: the first :data:`LISTED`, then how many more there are."""
+    more = f", ... ({len(items) - LISTED} more)" if len(items) > LISTED else ""
+    return ", ".join(items[:LISTED]) + more
 
 
 class NoNodeError(Exception):
@@ -188,13 +196,16 @@ class Router:
         """Choose a node for the request (uint32 LE ``token_bytes``); counts it in flight unless ``peek``.
 
         ``ValueError`` for an unknown policy or node name; :class:`NoNodeError` when nothing is eligible.
+        Their messages quote at most a few names, each cut short (:func:`listed`, ``shown``): a client's
+        strings, or a long node list, echoed whole would make the refusal too long for the client to read.
         """
         pol = self.policies.get(policy or self.rconfig.policy)
         if pol is None:
-            raise ValueError(f"policy: unknown {policy!r}; known: {policy_names()}")
-        unknown = [n for n in exclude if n not in self.nodes]
+            raise ValueError(f"policy: unknown {shown(policy)}; known: {policy_names()}")
+        unknown = list(dict.fromkeys(n for n in exclude if n not in self.nodes))
         if unknown:
-            raise ValueError(f"exclude_nodes: unknown node(s) {unknown}; known: {list(self.nodes)}")
+            names = [shown(n) for n in unknown[:LISTED]] + unknown[LISTED:]  # listed() shows the first few only
+            raise ValueError(f"exclude_nodes: unknown node(s) {listed(names)}; known: {listed(list(self.nodes))}")
         self.inflight.expire()
         ns = self.namespace(tenant)
         keys = page_keys_from_bytes(ns.digest, token_bytes, self.page_size)
@@ -211,8 +222,8 @@ class Router:
             if not why:
                 cands.append(c)
         if not cands:
-            raise NoNodeError("no node can take the request: " + ", ".join(
-                f"{n}: {s.why_not}" for n, s in scored.items()) if scored else "no nodes configured")
+            raise NoNodeError("no node can take the request: " + listed(
+                [f"{n}: {s.why_not}" for n, s in scored.items()]) if scored else "no nodes configured")
         d = pol.choose(cands, len(keys))
         for c, s in zip(cands, d.scores, strict=True):
             scored[c.node] = scored[c.node]._replace(score=s)
