@@ -4,7 +4,8 @@
 :class:`~hicache.router.feed.NodeFeed` per node, and a gRPC server with the Router service, the standard
 health service (``""``: SERVING while up; ``hicache.v1.Router``: SERVING while at least one node is
 routable) and reflection; optional bearer token, TLS/mTLS and ``/metrics``. Everything runs on one event
-loop, so the index, loads and breakers need no locks.
+loop, so the index, loads and breakers need no locks; a scrape of ``/metrics`` (served from its own threads)
+does its bookkeeping on that loop too (:class:`RouterMetrics`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import threading
 import time
 from typing import Any, TypeAlias
 
@@ -35,15 +37,24 @@ from hicache.service.metrics_http import RPC_BUCKETS, MetricsServer
 from hicache.service.validation import NamespaceResolver, ServiceError, token_bytes
 
 log = logging.getLogger("hicache.router")
+SYNC_WAIT_S = 1.0  # a scrape waits this long at most for its bookkeeping on the router's event loop
 SERVICE_NAME = rpb.DESCRIPTOR.services_by_name["Router"].full_name
 Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
 class RouterMetrics:
+    """The router's Prometheus metrics. At each scrape (before the registry reads them) routes past their TTL
+    are expired -- an idle router must not report them in flight -- and the counters kept as running totals
+    (expired routes, resyncs) are brought up to date. That bookkeeping touches the router's state, so it runs
+    on the router's event loop once :meth:`attach` named it (the scrape's thread waits for it, at most
+    :data:`SYNC_WAIT_S`); this also keeps two scrapes at once from adding one total twice."""
+
     def __init__(self, router: Router, registry: CollectorRegistry) -> None:
         r = registry
         self._router = router
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._seen: dict[str, int] = {}  # running totals already added to the counters, by key
+        self._seen_lock = threading.Lock()  # scrapes without a loop attached may run at once
         r.register(ScrapeHook(self._sync))  # type: ignore[arg-type]  # counters up to the running totals
         self.routes = Counter("hicache_router_routes", "Requests routed, by node and reason", ["node", "reason"],
                               registry=r)
@@ -80,11 +91,47 @@ class RouterMetrics:
             counter.inc(total - seen)
             self._seen[key] = total
 
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Do each scrape's bookkeeping on ``loop``, the one the router runs on."""
+        self._loop = loop
+
     def _sync(self) -> None:
+        """The scrape hook (any thread): :meth:`_update` on the router's loop, or here when none is attached."""
+        loop = self._loop
+        if loop is None or _running_loop() is loop:
+            self._update()
+            return
+        done = threading.Event()
+
+        def update() -> None:
+            try:
+                self._update()
+            finally:
+                done.set()
+
+        try:
+            loop.call_soon_threadsafe(update)
+        except RuntimeError:  # the loop is closed: the router is gone, the last figures stand
+            return
+        if not done.wait(SYNC_WAIT_S):
+            log.warning("metrics: the router's event loop did not answer within %.1f s; scraped as it was",
+                        SYNC_WAIT_S)
+
+    def _update(self) -> None:
         router = self._router
-        self._add("expired", router.inflight.expired, self.expired)
-        for name in router.nodes:
-            self._add(f"resyncs/{name}", max(0, router.index.feed(name).snapshots - 1), self.resyncs.labels(name))
+        with self._seen_lock:
+            router.inflight.expire()
+            self._add("expired", router.inflight.expired, self.expired)
+            for name in router.nodes:
+                self._add(f"resyncs/{name}", max(0, router.index.feed(name).snapshots - 1),
+                          self.resyncs.labels(name))
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def decision_pb(d: RouteDecision, page_size: int) -> rpb.RouteResponse:
@@ -165,6 +212,7 @@ class RouterServer:
 
     async def start(self) -> None:
         rc = self.rconfig
+        self.metrics.attach(asyncio.get_running_loop())
         interceptors: list[grpc.aio.ServerInterceptor] = [DecodeGuard()]
         if rc.auth_token:
             interceptors.append(BearerTokenInterceptor(rc.auth_token))
