@@ -92,6 +92,15 @@ class RequestTable:
         del self._entries[request_id]
         return e
 
+    def take_open(self, request_id: str) -> Entry | None:
+        """Remove and return the entry of ``request_id`` if its request is open; ``None`` (and nothing
+        removed) when the id is unknown or its Match is still opening it."""
+        e = self._entries.get(request_id)
+        if e is None or e.request is None:
+            return None
+        del self._entries[request_id]
+        return e
+
     def expired(self, now: float | None = None) -> list[Entry]:
         """Remove and return the entries idle for longer than the TTL (their requests are still open)."""
         now = time.monotonic() if now is None else now

@@ -12,9 +12,11 @@ into ``hicache_rpc_seconds`` (:mod:`.rpc`).
 Deadlines: gRPC cancels a handler whose deadline passed; Prefetch cuts its wait for the L3 run to the
 time remaining, while ReadPages and WritePages wait as the prefetch policy says. A Match cancelled while
 its worker still runs keeps its id: the request opens when the worker finishes and is released by the
-client's Release or by idle expiry. A Match that repeats exactly the one that opened its id, before any
-other call on the id, gets that Match's reply again instead of ALREADY_EXISTS: clients resend a Match
-whose reply was lost (:mod:`.requests`).
+client's Release or by idle expiry. A Match without a request_id cancelled at any point releases what it
+opened (only its reply could name the id the node made up). A reply lost in transit after the handler
+returned is not seen here: such a request waits for idle expiry (name your ids to retry). A Match that
+repeats exactly the one that opened its id, before any other call on the id, gets that Match's reply
+again instead of ALREADY_EXISTS: clients resend a Match whose reply was lost (:mod:`.requests`).
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         self.shared = shared
         self.resolver = NamespaceResolver(cache.ns)
         self.table = RequestTable(request_ttl_s)
+        self._orphans: set[asyncio.Task[None]] = set()  # releases of requests whose Match reply was lost
         self.page_size = cache.page_size
         self.num_pages = cache.device_pool.num_pages
         self.max_tokens = serve.max_request_tokens
@@ -194,7 +197,26 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     # ------------------------------------------------------------------ Match
     @unary
     async def Match(self, request: pb.MatchRequest, context: Ctx) -> pb.MatchResponse:
-        return await self._match(request)
+        if request.request_id or request.peek:
+            return await self._match(request)
+        # Only the reply names an id made up here: if the call is cancelled (deadline, client gone) once the
+        # request opened (waiting for L1 pages another request loads), nobody could ever Release it.
+        made_up = uuid.uuid4().hex
+        try:
+            return await self._match(request, made_up)
+        except asyncio.CancelledError:
+            self._orphaned(made_up)
+            raise
+
+    def _orphaned(self, rid: str) -> None:
+        """(Event loop.) Release the request open under ``rid``, an id whose Match reply never reached its
+        caller; nothing when it is not open (the Match failed, or its cancellation released it)."""
+        entry = self.table.take_open(rid)
+        if entry is None:
+            return
+        task = asyncio.ensure_future(self._release(entry))
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
 
     async def MatchStream(self, request_iterator: AsyncIterator[pb.MatchRequest],
                           context: Ctx) -> AsyncIterator[pb.MatchResponse]:
@@ -230,7 +252,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         finally:
             self._done("MatchStream", status, t_open)
 
-    async def _match(self, request: pb.MatchRequest) -> pb.MatchResponse:
+    async def _match(self, request: pb.MatchRequest, made_up: str | None = None) -> pb.MatchResponse:
         tb = token_bytes(request.tokens, request.token_ids, self.max_tokens)
         ns = self._ns(request.namespace)
         l3 = not request.skip_l3 and self.cache.storage is not None
@@ -247,7 +269,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             again = await self._repeat(request)
             if again is not None:
                 return again
-        rid = request.request_id or uuid.uuid4().hex
+        rid = request.request_id or made_up or uuid.uuid4().hex
         entry = self.table.reserve(rid)
         if request.request_id:
             entry.opening = request
@@ -275,7 +297,12 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             entry.settled.set()  # wakes a repeat of this Match waiting for it (see _repeat)
         loading = [h for h in req.pending if not h.done()]
         if loading:  # L1 pages another request is still loading from L2: reply once they hold their data
-            await blocking(MultiHandle(loading).wait)
+            try:
+                await blocking(MultiHandle(loading).wait)
+            except asyncio.CancelledError:
+                if not request.request_id:  # an id made up here: no reply will name it
+                    self._orphaned(rid)
+                raise
         return self._match_response(req, rid, request.return_keys)
 
     async def _repeat(self, request: pb.MatchRequest) -> pb.MatchResponse | None:

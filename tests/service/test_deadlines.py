@@ -251,3 +251,53 @@ def test_watchers_do_not_use_up_the_concurrency_bound() -> None:
 async def _drain(stream: Any) -> None:
     async for _ in stream:
         pass
+
+
+def test_a_made_up_id_whose_match_reply_is_lost_is_released() -> None:
+    """A Match without a request_id opens the request under an id the node makes up; only the reply names
+    it. When the call ends cancelled after the request opened (here: the caller's deadline passes while the
+    reply is on its way), nobody could Release it: the node releases it (no page stays locked until the idle
+    TTL). A reply that arrives leaves the request open for its caller."""
+    async def main() -> None:
+        node = NodeServer(config())
+        await node.start()
+        try:
+            cache = node.cache
+            assert cache is not None
+            toks = np.arange(1, 8 * PS + 1, dtype=np.uint32)
+            real = node.servicer._match
+
+            async def reply_held_up(request: Any, *made_up: str) -> Any:
+                resp = await real(request, *made_up)
+                await asyncio.sleep(1.0)  # the request is open; its reply is late
+                return resp
+
+            async with AsyncHiCacheClient(f"127.0.0.1:{node.port}") as c:
+                m = await c.match(toks, "w")
+                await c.commit("w", toks, await c.allocate("w", m.num_pages))
+                await c.release("w")
+                cache.flush()  # the backups to L2 have landed: no page is locked but by a request
+                assert cache.tree.locked_device_pages == 0
+                node.servicer._match = reply_held_up  # type: ignore[method-assign]
+                try:
+                    await c.match(toks, timeout_s=0.3)
+                    raise AssertionError("the reply should have missed its deadline")
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                node.servicer._match = real  # type: ignore[method-assign]
+                for _ in range(100):
+                    if len(node.servicer.table) == 0 and cache.tree.locked_device_pages == 0:
+                        break
+                    await asyncio.sleep(0.05)
+                assert len(node.servicer.table) == 0, "the request nobody can name is still open"
+                assert cache.tree.locked_device_pages == 0
+                got = await c.match(toks)  # a reply that arrives: the caller's to release
+                assert got.l1_pages == 8
+                await asyncio.sleep(0.2)
+                assert len(node.servicer.table) == 1
+                await c.release(got.request_id)
+            cache.check_integrity()
+        finally:
+            await node.stop(0.1)
+
+    asyncio.run(main())
