@@ -36,7 +36,7 @@ async def start(ttl_s: float, metrics: bool = False) -> tuple[NodeServer, Router
 
 def test_an_idle_router_scrapes_expired_routes_as_expired() -> None:
     async def main() -> None:
-        node, router = await start(ttl_s=0.2, metrics=True)
+        node, router = await start(ttl_s=2.0, metrics=True)
         try:
             r = router.router
             tb = tokens(1, 3).tobytes()
@@ -50,7 +50,7 @@ def test_an_idle_router_scrapes_expired_routes_as_expired() -> None:
 
             m = await asyncio.to_thread(scrape)
             assert (m["hicache_router_inflight"], m["hicache_router_routes_expired_total"]) == (2, 0)
-            await asyncio.sleep(0.3)  # past the TTL; nothing calls the router meanwhile
+            await asyncio.sleep(2.1)  # past the TTL; nothing calls the router meanwhile
             m = await asyncio.to_thread(scrape)
             assert (m["hicache_router_inflight"], m["hicache_router_routes_expired_total"]) == (0, 2)
             assert r.inflight.count("n0") == 0
@@ -61,41 +61,46 @@ def test_an_idle_router_scrapes_expired_routes_as_expired() -> None:
     asyncio.run(main())
 
 
+ROUTES = 600
+
+
 def test_scrapes_at_once_count_each_expired_route_once() -> None:
     async def main() -> None:
         node, router = await start(ttl_s=1e-6)
         stop = threading.Event()
         errors: list[BaseException] = []
+        scrapes = [0]
 
         def scraper() -> None:
             try:
                 while not stop.is_set():
                     generate_latest(router.registry)
+                    scrapes[0] += 1
             except BaseException as e:  # reported below
                 errors.append(e)
 
         threads = [threading.Thread(target=scraper) for _ in range(6)]
         switch = sys.getswitchinterval()
         sys.setswitchinterval(1e-6)  # threads take turns often: scrapes interleave
+        r = router.router
         try:
             for t in threads:
                 t.start()
-            r = router.router
             tb = np.arange(8, dtype=np.uint32).tobytes()
-            for _ in range(3000):
+            for _ in range(ROUTES):
                 r.route(tb)  # expires the one before (its TTL is over at once)
-                await asyncio.sleep(0)  # the scrapes' bookkeeping runs on this loop
+                await asyncio.sleep(0.0005)  # the scrapes run meanwhile (their bookkeeping: on this loop)
+        finally:
             stop.set()
             for t in threads:
                 await asyncio.to_thread(t.join, 30)
-        finally:
             sys.setswitchinterval(switch)
-            stop.set()
         try:
             assert not errors, errors[0]
+            assert scrapes[0] >= 100, scrapes  # they did run all along
             r.inflight.expire()
             m = await asyncio.to_thread(lambda: values(generate_latest(router.registry).decode()))
-            assert m["hicache_router_routes_expired_total"] == r.inflight.expired == 3000
+            assert m["hicache_router_routes_expired_total"] == r.inflight.expired == ROUTES
             assert m["hicache_router_inflight"] == 0
         finally:
             await router.stop(0.1)
