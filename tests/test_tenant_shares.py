@@ -13,42 +13,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tenantkit import L1_PAGES, compute, hits, make, prompt
 
-from hicache.cache import HiCache
 from hicache.config import ConfigError
-from kvhelpers import kv_equal, read_kv, small_config, write_kv
-
-PS = 4  # tokens per page (small_config)
-L1_PAGES = 16
-
-
-def make(shares: dict[str, float] | None, l2_tokens: int = 0, **cache: Any) -> HiCache:
-    return HiCache(small_config(cache={"l1_tokens": L1_PAGES * PS, "l2_tokens": l2_tokens,
-                                       "eviction_policy": "lru", "tenant_shares": shares or {}, **cache}))
-
-
-def prompt(tag: int, pages: int) -> list[int]:
-    return [tag * 1000 + i for i in range(pages * PS)]
-
-
-def compute(cache: HiCache, tokens: list[int], ns: Any, seed: int) -> list[Any]:
-    """Serve a prompt the cache does not hold: allocate, write its KV, commit, release."""
-    req = cache.match(tokens, ns)
-    assert req.hit_pages == 0
-    pages = cache.alloc(req, len(tokens) // PS)
-    kv = write_kv(cache, pages, seed)
-    cache.commit(req, tokens, pages)
-    cache.release(req)
-    return kv
-
-
-def hits(cache: HiCache, tokens: list[int], ns: Any) -> tuple[int, int]:
-    """(L1, L2) pages of the prefix found; releases the lookup."""
-    req = cache.match(tokens, ns, l3=False)
-    try:
-        return req.l1_pages, req.l2_pages
-    finally:
-        cache.release(req)
+from kvhelpers import kv_equal, read_kv, small_config
 
 
 @pytest.mark.parametrize("shares, noisy", [
@@ -115,7 +83,7 @@ def test_over_its_cap_a_tenant_loses_pages_only_down_to_the_cap_then_policy_orde
 def test_shares_hold_on_l2(capped: bool) -> None:
     """acme's prompts live on L2 only (another tenant took L1); a flooding tenant over its L2 share loses
     its own L2 pages first, so acme's prompts are still found there."""
-    cache = make({"noisy": 0.25} if capped else None, l2_tokens=32 * PS, write_policy="write_through")
+    cache = make({"noisy": 0.25} if capped else None, l2=32, write_policy="write_through")
     acme, busy, noisy = cache.namespace("acme"), cache.namespace("busy"), cache.namespace("noisy")
     docs = [prompt(i, 3) for i in range(3)]
     for i, d in enumerate(docs):
@@ -148,7 +116,7 @@ def test_bad_shares_are_refused_naming_the_field(shares: Any, field: str) -> Non
 
 
 def test_the_caps_follow_the_tiers_and_forget_nothing_a_tree_holds() -> None:
-    cache = make({"a": 0.5, "*": 0.25}, l2_tokens=32 * PS)
+    cache = make({"a": 0.5, "*": 0.25}, l2=32)
     a, b = cache.namespace("a"), cache.namespace("b")
     compute(cache, prompt(1, 1), a, seed=1)
     compute(cache, prompt(2, 1), b, seed=2)
