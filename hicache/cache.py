@@ -189,18 +189,11 @@ class HiCache:
         named = [t for t in self._shares if t != "*"]
         out = dict.fromkeys(named, (0, 0))
         with self._lock:
-            for digest, root in self.tree.roots.items():
+            for digest in self.tree.roots:
                 tenant = self._tenant_of.get(digest)
-                if tenant not in out:
-                    continue
-                l1, l2 = out[tenant]
-                stack = list(root.children.values())
-                while stack:
-                    node = stack.pop()
-                    stack.extend(node.children.values())
-                    l1 += node.n_pages if node.device is not None else 0
-                    l2 += node.n_pages if node.host is not None else 0
-                out[tenant] = (l1, l2)
+                if tenant in out:
+                    l1, l2 = self.tree.namespace_pages(digest)
+                    out[tenant] = (out[tenant][0] + l1, out[tenant][1] + l2)
         return out
 
     def _refresh_metrics(self) -> None:

@@ -392,14 +392,26 @@ class RadixTree:
             node = node.parent
 
     # ------------------------------------------------------------------ eviction
-    def nodes(self) -> Iterator[TreeNode]:
-        """Every non-root node of every namespace, each after its parent."""
-        stack = list(self.roots.values())
+    def nodes(self, ns: bytes | None = None) -> Iterator[TreeNode]:
+        """Every non-root node of every namespace (or of namespace digest ``ns`` only), each after its parent."""
+        if ns is None:
+            stack = list(self.roots.values())
+        else:
+            root = self.roots.get(ns)
+            stack = [] if root is None else [root]
         while stack:
             node = stack.pop()
             if node.parent is not None:
                 yield node
             stack.extend(node.children.values())
+
+    def namespace_pages(self, ns: bytes) -> tuple[int, int]:
+        """Pages (L1, L2) the tree holds under namespace digest ``ns``."""
+        l1 = l2 = 0
+        for node in self.nodes(ns):
+            l1 += node.n_pages if node.device is not None else 0
+            l2 += node.n_pages if node.host is not None else 0
+        return l1, l2
 
     def _l1_evictable(self, node: TreeNode) -> bool:
         return (
@@ -416,14 +428,11 @@ class RadixTree:
         ``first`` is 0 for a namespace over its cap (its pages go first), else 1."""
         heap: list[tuple[Any, ...]] = []
         over: dict[bytes, int] = {}
-        for ns, root in self.roots.items():
+        for ns in self.roots:
             cap = caps.get(ns) if caps else None
             held = 0
             found = []
-            stack = list(root.children.values())
-            while stack:
-                node = stack.pop()
-                stack.extend(node.children.values())
+            for node in self.nodes(ns):
                 if cap is not None and (node.device if on_device else node.host) is not None:
                     held += node.n_pages
                 if evictable(node):
