@@ -22,7 +22,6 @@ again instead of ALREADY_EXISTS: clients resend a Match whose reply was lost (:m
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import socket
@@ -285,10 +284,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             if entry.request is None:
                 self.table.drop(rid)
             elif not request.request_id:
-                with contextlib.suppress(ServiceError):
-                    entry = self.table.pop(rid)
-                    if entry.request is not None and not entry.request.released:
-                        self.cache.release(entry.request)
+                self._orphaned(rid)
             raise
         except BaseException:
             self.table.drop(rid)
