@@ -50,12 +50,14 @@ _KINDS = {"stored": pb.Event.STORED, "removed": pb.Event.REMOVED, "tier": pb.Eve
 class SimNode:
     """A HiCache whose tree events are numbered and converted exactly as the node service does."""
 
-    def __init__(self, name: str, config: HiCacheConfig, router: Router) -> None:
+    def __init__(self, name: str, config: HiCacheConfig, router: Router, events: bool = True) -> None:
         self.name = name
         self.cache = HiCache(config)
         self.router = router
         self.seq = 0
         self.pending: list[pb.Event] = []
+        if not events:  # the approximate index: the router learns from its own routes only
+            return
         self.cache.add_listener(self._on_event)
         box = [0]
         runs = self.cache.snapshot(lambda: box.__setitem__(0, self.seq))
@@ -108,27 +110,33 @@ def workload(a: argparse.Namespace) -> list[tuple[float, str, np.ndarray]]:
     return out
 
 
-def simulate(policy: str, reqs: list[tuple[float, str, np.ndarray]], a: argparse.Namespace) -> dict[str, Any]:
+def simulate(row: str, reqs: list[tuple[float, str, np.ndarray]], a: argparse.Namespace) -> dict[str, Any]:
     cfg = config_from_dict({
         "model": {"name": "bench-router"},
         "layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4, "dtype": "float16", "page_size": a.page_size},
         "cache": {"l1_tokens": a.l1_tokens, "l2_tokens": a.l2_tokens, "write_policy": a.write_policy},
     })
     names = [f"node{i}" for i in range(a.nodes)]
+    policy, _, index = row.partition("@")
     rc = RouterConfig(nodes=[NodeSpec(n, f"sim:{i + 1}") for i, n in enumerate(names)], policy=policy,
                       route_ttl_s=1e9, load_weight=a.load_weight, balance_abs_threshold=a.balance_abs,
-                      min_prefix_score=a.min_prefix_score)
+                      min_prefix_score=a.min_prefix_score, index=index or "events", approx_ttl_s=a.approx_ttl_s,
+                      approx_capacity_tokens=a.approx_capacity_tokens or a.l1_tokens + a.l2_tokens)
     router = Router(cfg, rc)
-    nodes = {n: SimNode(n, cfg, router) for n in names}
+    clock = [0.0]
+    if router.approx is not None:
+        router.approx.clock = lambda: clock[0]  # simulated time
+    nodes = {n: SimNode(n, cfg, router, events=router.approx is None) for n in names}
     busy = dict.fromkeys(names, 0.0)
     finishing: list[tuple[float, str]] = []
     per_node = dict.fromkeys(names, 0)
     reasons: dict[str, int] = {}
-    prompt = hit1 = hit2 = exact = 0
+    prompt = hit1 = hit2 = exact = exact_pages = 0
     ttft: list[float] = []
     t_route = 0.0
     t0 = time.perf_counter()
     for now, tenant, toks in reqs:
+        clock[0] = now
         while finishing and finishing[0][0] <= now:
             router.complete(heapq.heappop(finishing)[1])
         ts = time.perf_counter()
@@ -136,6 +144,7 @@ def simulate(policy: str, reqs: list[tuple[float, str, np.ndarray]], a: argparse
         t_route += time.perf_counter() - ts
         l1, l2 = nodes[d.node].serve(toks, router.namespace(tenant))
         exact += (l1, l2) == (d.l1_pages, d.l2_pages)
+        exact_pages += l1 + l2 == d.l1_pages + d.l2_pages
         ps = a.page_size
         computed = len(toks) - (l1 + l2) * ps
         service = a.overhead_s + computed / a.prefill_tps + l2 * ps / a.load_tps
@@ -155,6 +164,7 @@ def simulate(policy: str, reqs: list[tuple[float, str, np.ndarray]], a: argparse
     ttft.sort()
     return {
         "policy": policy,
+        "index": rc.index,
         "hit_rate": (hit1 + hit2) / prompt,
         "hit_rate_l1": hit1 / prompt,
         "hit_rate_l2": hit2 / prompt,
@@ -164,7 +174,8 @@ def simulate(policy: str, reqs: list[tuple[float, str, np.ndarray]], a: argparse
         "ttft_mean_s": statistics.mean(ttft),
         "ttft_p50_s": ttft[len(ttft) // 2],
         "ttft_p99_s": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))],
-        "prediction_exact": exact / len(reqs),
+        "prediction_exact": exact / len(reqs),  # the predicted (L1, L2) prefix is what the node matched
+        "prediction_exact_pages": exact_pages / len(reqs),  # the predicted prefix length, tiers aside
         "route_us": t_route / len(reqs) * 1e6,
         "index_keys": len(router.index),
         "wall_s": wall,
@@ -193,7 +204,11 @@ def main() -> None:
     ap.add_argument("--load-weight", type=float, default=0.1)
     ap.add_argument("--balance-abs", type=float, default=8.0)
     ap.add_argument("--min-prefix-score", type=float, default=0.2)
-    ap.add_argument("--policies", default="round_robin,least_load,cache_aware")
+    ap.add_argument("--policies", default="round_robin,least_load,cache_aware,cache_aware@approximate",
+                    help="rows: POLICY[@INDEX], INDEX events (default) or approximate")
+    ap.add_argument("--approx-ttl-s", type=float, default=120.0, help="approximate index: TTL (simulated s)")
+    ap.add_argument("--approx-capacity-tokens", type=int, default=0,
+                    help="approximate index: tokens predicted per node (0: the node's L1 + L2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="out/router_hit_rate.json")
     a = ap.parse_args()
@@ -204,14 +219,14 @@ def main() -> None:
           f"{a.requests} requests at {a.rate:.0f}/s; page {a.page_size}")
     results = {p: simulate(p, reqs, a) for p in a.policies.split(",")}
     base = results.get("round_robin")
-    print(f"{'policy':<12} {'hit':>6} {'L1':>6} {'L2':>6} {'vs rr':>6} {'max/mean':>8} {'TTFT mean':>10} "
+    print(f"{'policy':<24} {'hit':>6} {'L1':>6} {'L2':>6} {'vs rr':>6} {'max/mean':>8} {'TTFT mean':>10} "
           f"{'p99':>8} {'exact':>6} {'route':>8}")
     for p, r in results.items():
         ratio = r["hit_rate"] / base["hit_rate"] if base and base["hit_rate"] else float("nan")
         r["hit_rate_vs_round_robin"] = ratio
         if base:
             r["ttft_mean_vs_round_robin"] = r["ttft_mean_s"] / base["ttft_mean_s"]
-        print(f"{p:<12} {r['hit_rate']:>6.1%} {r['hit_rate_l1']:>6.1%} {r['hit_rate_l2']:>6.1%} {ratio:>5.2f}x "
+        print(f"{p:<24} {r['hit_rate']:>6.1%} {r['hit_rate_l1']:>6.1%} {r['hit_rate_l2']:>6.1%} {ratio:>5.2f}x "
               f"{r['balance_max_over_mean']:>8.2f} {r['ttft_mean_s'] * 1e3:>8.1f}ms {r['ttft_p99_s'] * 1e3:>6.0f}ms "
               f"{r['prediction_exact']:>6.1%} {r['route_us']:>6.0f}us")
     if base and "cache_aware" in results:
@@ -219,6 +234,12 @@ def main() -> None:
         print(f"cache_aware vs round_robin: hit rate {ca['hit_rate']:.1%} vs {base['hit_rate']:.1%} "
               f"({ca['hit_rate_vs_round_robin']:.2f}x), mean TTFT {ca['ttft_mean_vs_round_robin']:.2f}x, "
               f"load max/mean {ca['balance_max_over_mean']:.2f} vs {base['balance_max_over_mean']:.2f}")
+    if base and "cache_aware@approximate" in results and "cache_aware" in results:
+        ax, ca = results["cache_aware@approximate"], results["cache_aware"]
+        print(f"approximate index (no event streams) vs the event-fed index: hit rate {ax['hit_rate']:.1%} vs "
+              f"{ca['hit_rate']:.1%} ({ax['hit_rate'] / ca['hit_rate']:.2f}x; {ax['hit_rate_vs_round_robin']:.2f}x "
+              f"round robin); predicted prefix length exact {ax['prediction_exact_pages']:.1%} vs "
+              f"{ca['prediction_exact_pages']:.1%}")
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "router_hit_rate", "args": vars(a), "working_set_tokens": working_set,

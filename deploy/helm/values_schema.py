@@ -27,6 +27,7 @@ from hicache.config import (
 )
 from hicache.eviction import policy_names
 from hicache.layout import DTYPES, HOST_LAYOUTS
+from hicache.router.config import INDEX_MODES
 from hicache.router.scoring import policy_names as router_policy_names
 
 SCHEMA_PATH = Path(__file__).resolve().parent / "hicache" / "values.schema.json"
@@ -138,6 +139,8 @@ def router_config_schema() -> Schema:
         "min_prefix_score": number(0, 1), "balance_abs_threshold": number(positive=True),
         "balance_rel_threshold": number(1),
         "route_ttl_s": number(positive=True), "stats_interval_s": number(positive=True),
+        "index": enum(list(INDEX_MODES)), "approx_ttl_s": number(positive=True),
+        "approx_capacity_tokens": integer(1),
         "breaker_failures": integer(1), "breaker_cooldown_s": number(positive=True),
         "breaker_max_cooldown_s": number(positive=True), "reconnect_max_s": number(positive=True),
         "event_queue": integer(0), "verify_keys": BOOL, "max_request_tokens": integer(1),

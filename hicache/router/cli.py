@@ -7,6 +7,10 @@ the same page keys) plus a ``router`` section (see :mod:`hicache.router.config`)
 replace the file's node list. Precedence: file < ``HICACHE_ROUTER__<FIELD>`` / ``HICACHE_MODEL__...``
 environment < flags. Prints ``hicache route: listening on HOST:PORT`` when up; SIGTERM stops it.
 
+With ``--index approximate`` the router reads no event stream and polls nothing: it predicts what each
+node caches from the requests it sent there, so the nodes can be any engine that serves the routed
+requests. The default, ``--index events``, follows each hicache node's event stream and knows.
+
 Node addresses are checked as ``hicache status`` checks its target (:mod:`hicache.address`): a malformed
 ``host:port``, a port outside 1-65535, an empty entry, a name or an address given twice exits with code 2
 and one line naming the flag (or ``router.nodes``, or the ``HICACHE_ROUTER__NODES`` variable).
@@ -23,7 +27,7 @@ from typing import Any
 from hicache.config import ConfigError, blame_env
 from hicache.helptext import HelpFormatter
 from hicache.preflight import check_host, check_pem_file
-from hicache.router.config import check_nodes, load_router_config, parse_node
+from hicache.router.config import INDEX_MODES, check_nodes, load_router_config, parse_node
 from hicache.router.scoring import policy_names
 
 # flag dest -> (section, field)
@@ -32,6 +36,9 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "port": ("router", "port"),
     "metrics_port": ("router", "metrics_port"),
     "policy": ("router", "policy"),
+    "index": ("router", "index"),
+    "approx_ttl_s": ("router", "approx_ttl_s"),
+    "approx_capacity_tokens": ("router", "approx_capacity_tokens"),
     "load_weight": ("router", "load_weight"),
     "min_prefix_score": ("router", "min_prefix_score"),
     "balance_abs_threshold": ("router", "balance_abs_threshold"),
@@ -57,6 +64,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--port", type=int)
     g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: off)")
     g.add_argument("--policy", choices=policy_names())
+    g.add_argument("--index", choices=INDEX_MODES,
+                   help="events: follow each node's event stream (hicache nodes); approximate: predict each "
+                        "node's cache from the routes, with no traffic to the nodes (any engine)")
+    g.add_argument("--approx-ttl-s", type=float, help="approximate: forget a predicted page not routed again by then")
+    g.add_argument("--approx-capacity-tokens", type=int, help="approximate: tokens predicted per node, at most")
     g.add_argument("--load-weight", type=float, help="cost of one queued request, in full prefills")
     g.add_argument("--min-prefix-score", type=float, help="prefixes under this share of the request count as none")
     g.add_argument("--balance-abs-threshold", type=float, help="hot spot: load above the least loaded by this")

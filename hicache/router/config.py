@@ -10,6 +10,7 @@ tenant, TP shard) and ``layout`` sections; a node config file can be reused as i
       port: 50061
       nodes: ["gpu0=10.0.0.1:50051", "gpu1=10.0.0.2:50051"]   # or a mapping {gpu0: "10.0.0.1:50051"}
       policy: cache_aware
+      index: events          # or approximate: predict each node's cache from the routes (no event streams)
 
 Precedence: the YAML file < environment ``HICACHE_<SECTION>__<FIELD>`` (``HICACHE_ROUTER__POLICY=...``)
 < explicit overrides (CLI flags). Every bad value raises :class:`hicache.config.ConfigError`.
@@ -41,6 +42,7 @@ from hicache.config import (
 )
 from hicache.router.scoring import ScoringParams, policy_names
 
+INDEX_MODES = ("events", "approximate")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -88,6 +90,9 @@ class RouterConfig:
     metrics_port: int = 0  # Prometheus /metrics (0: off)
     nodes: list[NodeSpec] = field(default_factory=list)
     policy: str = "cache_aware"
+    index: str = "events"  # events: follow each node's WatchEvents | approximate: predict from the routes
+    approx_ttl_s: float = 120.0  # approximate: a predicted page not routed again by then is forgotten
+    approx_capacity_tokens: int = 1 << 20  # approximate: tokens predicted per node, at most (LRU beyond)
     load_weight: float = 0.1  # cost of one queued request, in full prefills
     l2_weight: float = 0.9  # an L2 page's worth relative to an L1 page
     min_prefix_score: float = 0.2  # a prefix under this share of the request counts as none
@@ -121,12 +126,17 @@ class RouterConfig:
             raise ConfigError(f"router.metrics_port: must be in [0, 65535], got {self.metrics_port}")
         if self.policy not in policy_names():
             raise ConfigError(f"router.policy: must be one of {policy_names()}, got {self.policy!r}")
+        if self.index not in INDEX_MODES:
+            raise ConfigError(f"router.index: must be one of {list(INDEX_MODES)}, got {self.index!r}")
+        if self.approx_capacity_tokens < 1:
+            raise ConfigError(f"router.approx_capacity_tokens: must be >= 1, got {self.approx_capacity_tokens}")
         # NaN passes every comparison below, and an infinite time never elapses: both are refused
         for f in ("load_weight", "l2_weight", "min_prefix_score", "balance_abs_threshold", "balance_rel_threshold",
                   "breaker_max_cooldown_s"):
             if not math.isfinite(getattr(self, f)):
                 raise ConfigError(f"router.{f}: must be a finite number, got {getattr(self, f)!r}")
-        for f in ("route_ttl_s", "stats_interval_s", "breaker_cooldown_s", "reconnect_max_s", "shutdown_grace_s"):
+        for f in ("route_ttl_s", "approx_ttl_s", "stats_interval_s", "breaker_cooldown_s", "reconnect_max_s",
+                  "shutdown_grace_s"):
             if not (math.isfinite(getattr(self, f)) and getattr(self, f) > 0):
                 raise ConfigError(f"router.{f}: must be a finite number > 0, got {getattr(self, f)!r}")
         if self.breaker_failures < 1:
@@ -152,6 +162,13 @@ class RouterConfig:
     def scoring(self) -> ScoringParams:
         return ScoringParams(self.load_weight, self.l2_weight, self.min_prefix_score, self.balance_abs_threshold,
                              self.balance_rel_threshold)
+
+
+def check_approx_capacity(rc: RouterConfig, page_size: int) -> None:
+    """The approximate index predicts whole pages: ``approx_capacity_tokens`` must hold one at least."""
+    if rc.index == "approximate" and rc.approx_capacity_tokens < page_size:
+        raise ConfigError(f"router.approx_capacity_tokens: {rc.approx_capacity_tokens} holds no page "
+                          f"(layout.page_size is {page_size})", "router.approx_capacity_tokens")
 
 
 def _nodes(value: Any) -> list[NodeSpec]:
@@ -185,6 +202,8 @@ def load_router_config(path: str | Path | None = None, env: Mapping[str, str] | 
         router = merged.pop("router", None) or {}
         if not isinstance(router, Mapping):
             raise ConfigError(f"router: must be a mapping, got {type(router).__name__}")
-        return config_from_dict(merged), router_config_from_dict(router)
+        config, rconfig = config_from_dict(merged), router_config_from_dict(router)
+        check_approx_capacity(rconfig, config.layout.page_size)
+        return config, rconfig
     except ConfigError as e:  # a bad value from HICACHE_<SECTION>__<FIELD> names that variable
         raise blame_env(e, env, overrides, file_sections=data) from None

@@ -10,6 +10,9 @@
 Page keys are computed with :mod:`hicache.keys` under ``Namespace(model, layout, revision, tp, tenant)``
 exactly as the nodes do; a node whose own namespace digest differs (reported by the feed after
 GetPoolInfo) is never routed to. Single-threaded: call it from one event loop.
+
+With ``router.index: approximate`` no events come in: every route records the request's pages as held by
+the chosen node (:class:`hicache.router.approx.ApproxIndex`), and the same scoring runs on that prediction.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import grpc
 from hicache.client.types import Event
 from hicache.config import HiCacheConfig
 from hicache.keys import Namespace, page_keys_from_bytes
+from hicache.router.approx import ApproxIndex
 from hicache.router.breaker import CircuitBreaker
-from hicache.router.config import NodeSpec, RouterConfig
+from hicache.router.config import NodeSpec, RouterConfig, check_approx_capacity
 from hicache.router.index import NO_MATCH, Applied, KVIndex
 from hicache.router.load import InflightTracker, QueueDepth
 from hicache.router.scoring import Candidate, RoutingPolicy, Score, create_policy, policy_names
@@ -114,6 +118,11 @@ class Router:
         self.ns = config.namespace()
         self.page_size = self.ns.page_size
         self.index = KVIndex(self.page_size, rconfig.verify_keys)
+        self.approx: ApproxIndex | None = None  # set with router.index: approximate
+        if rconfig.index == "approximate":
+            check_approx_capacity(rconfig, self.page_size)
+            self.approx = ApproxIndex(self.index, rconfig.approx_ttl_s,
+                                      rconfig.approx_capacity_tokens // self.page_size)
         self.inflight = InflightTracker(rconfig.route_ttl_s)
         self.nodes: dict[str, NodeState] = {}
         for spec in rconfig.nodes:
@@ -144,7 +153,10 @@ class Router:
 
     # ------------------------------------------------------------------ feed side
     def apply_event(self, node: str, ev: Event) -> Applied:
-        """One message of ``node``'s event stream; RESYNC means: reconnect for a fresh snapshot."""
+        """One message of ``node``'s event stream; RESYNC means: reconnect for a fresh snapshot.
+        ``RuntimeError`` with the approximate index, which must not mix predictions with reported state."""
+        if self.approx is not None:
+            raise RuntimeError("router.index is approximate: node events are not applied")
         st = self.nodes[node]
         res = self.index.apply(node, ev)
         feed = self.index.feed(node)
@@ -189,6 +201,12 @@ class Router:
         st.breaker.record(code)
         if error:
             st.last_error = error
+        self._forget_if_down(node)
+
+    def _forget_if_down(self, node: str) -> None:
+        """Approximate index: a node whose breaker opened may come back empty; stop predicting its pages."""
+        if self.approx is not None and not self.nodes[node].breaker.allow():
+            self.approx.drop(node)
 
     # ------------------------------------------------------------------ decisions
     def route(self, token_bytes: bytes, tenant: str = "", policy: str = "", exclude: Sequence[str] = (),
@@ -207,6 +225,8 @@ class Router:
             names = [shown(n) for n in unknown[:LISTED]] + unknown[LISTED:]  # listed() shows the first few only
             raise ValueError(f"exclude_nodes: unknown node(s) {listed(names)}; known: {listed(list(self.nodes))}")
         self.inflight.expire()
+        if self.approx is not None:
+            self.approx.expire()
         ns = self.namespace(tenant)
         keys = page_keys_from_bytes(ns.digest, token_bytes, self.page_size)
         matches = self.index.match(keys)
@@ -233,6 +253,8 @@ class Router:
         if not peek:
             rid = self.inflight.start(chosen.node)
             st.routed += 1
+            if self.approx is not None:
+                self.approx.record(chosen.node, keys)
         return RouteDecision(rid, chosen.node, st.spec.address, chosen.l1_pages, chosen.l2_pages, len(keys),
                              pol.name, d.reason, scored)
 
@@ -244,6 +266,7 @@ class Router:
         if r is None:
             return None
         self.nodes[r.node].breaker.record(code, started=r.started)
+        self._forget_if_down(r.node)
         return r.node
 
     # ------------------------------------------------------------------ views

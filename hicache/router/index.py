@@ -131,7 +131,9 @@ class KVIndex:
                     del holders[key]
         st.pages = {}
 
-    def _set(self, node: str, st: FeedState, key: bytes, mask: int) -> None:
+    def set_page(self, node: str, st: FeedState, key: bytes, mask: int) -> None:
+        """Record that ``node`` (whose feed state is ``st``) holds ``key`` on the tiers of ``mask``; 0 forgets
+        it. The event feed's one write path, and the approximate index's (:mod:`hicache.router.approx`)."""
         if mask:
             st.pages[key] = mask
             h = self._holders.get(key)
@@ -151,7 +153,7 @@ class KVIndex:
             st.bad_runs += 1
             return
         for key in run.page_keys:
-            self._set(node, st, key, mask)
+            self.set_page(node, st, key, mask)
 
     # ------------------------------------------------------------------ events
     def apply(self, node: str, ev: Event) -> Applied:

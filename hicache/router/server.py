@@ -76,12 +76,16 @@ class RouterMetrics:
                                   "probation), by node", ["node"], registry=r)
         self.resyncs = Counter("hicache_router_resyncs", "Snapshots applied after the first, by node", ["node"],
                                registry=r)
+        self.approx_forgotten = Counter("hicache_router_approx_forgotten_pages", "Approximate index: predicted "
+                                        "pages forgotten, by why (ttl, capacity, node_down)", ["reason"],
+                                        registry=r)
         for name in router.nodes:
             self._per_node(router, name)
 
     def _per_node(self, router: Router, name: str) -> None:
         st = router.nodes[name]
-        self.node_up.labels(name).set_function(lambda: float(st.connected))
+        if router.approx is None:  # no event streams with the approximate index: no series to alert on
+            self.node_up.labels(name).set_function(lambda: float(st.connected))
         self.breaker_open.labels(name).set_function(lambda: float(st.breaker.state != "closed"))
 
     def _add(self, key: str, total: int, counter: Any) -> None:
@@ -122,6 +126,11 @@ class RouterMetrics:
         with self._seen_lock:
             router.inflight.expire()
             self._add("expired", router.inflight.expired, self.expired)
+            ax = router.approx
+            if ax is not None:
+                ax.expire()
+                for reason, total in (("ttl", ax.expired), ("capacity", ax.evicted), ("node_down", ax.dropped)):
+                    self._add(f"approx/{reason}", total, self.approx_forgotten.labels(reason))
             for name in router.nodes:
                 self._add(f"resyncs/{name}", max(0, router.index.feed(name).snapshots - 1),
                           self.resyncs.labels(name))
@@ -191,7 +200,7 @@ class RouterServicer(rpb_grpc.RouterServicer):
                               l2_pages=v.l2_pages, in_flight=v.in_flight, queue_depth=v.queue_depth,
                               breaker=v.breaker, routed=v.routed, namespace_ok=v.namespace_ok,
                               last_error=v.last_error) for v in r.views()]
-        return rpb.ListNodesResponse(nodes=nodes, namespace=r.describe_namespace())
+        return rpb.ListNodesResponse(nodes=nodes, namespace=r.describe_namespace(), index=r.rconfig.index)
 
 
 class RouterServer:
@@ -203,7 +212,8 @@ class RouterServer:
         self.router = Router(config, rconfig)
         self.registry = CollectorRegistry()
         self.metrics = RouterMetrics(self.router, self.registry)
-        self.feeds = [NodeFeed(self.router, spec) for spec in rconfig.nodes]
+        # the approximate index opens no stream and polls nothing: the nodes need not be hicache nodes
+        self.feeds = [NodeFeed(self.router, spec) for spec in rconfig.nodes] if self.router.approx is None else []
         self.port = 0
         self.metrics_port = 0
         self._metrics_http: MetricsServer | None = None
@@ -242,7 +252,7 @@ class RouterServer:
         await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._health_task = asyncio.create_task(self._health_loop())
-        log.info("hicache route: %d nodes, policy %s, namespace %s", len(self.feeds), rc.policy,
+        log.info("hicache route: %d nodes, policy %s, %s index, namespace %s", len(rc.nodes), rc.policy, rc.index,
                  self.router.describe_namespace())
 
     async def _health_loop(self) -> None:
@@ -256,7 +266,10 @@ class RouterServer:
             await asyncio.sleep(0.5)
 
     async def wait_synced(self, timeout_s: float = 10.0) -> None:
-        """Wait until every node's event stream is in sync (tests, scripted starts)."""
+        """Wait until every node's event stream is in sync (tests, scripted starts); at once with the
+        approximate index, which follows no stream."""
+        if self.router.approx is not None:
+            return
         end = time.monotonic() + timeout_s
         while not all(st.connected for st in self.router.nodes.values()):
             if time.monotonic() > end:

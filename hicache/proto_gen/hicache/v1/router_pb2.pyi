@@ -124,9 +124,11 @@ class NodeInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., connected: _Optional[bool] = ..., server_id: _Optional[str] = ..., event_sequence: _Optional[int] = ..., resyncs: _Optional[int] = ..., l1_pages: _Optional[int] = ..., l2_pages: _Optional[int] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., breaker: _Optional[str] = ..., routed: _Optional[int] = ..., namespace_ok: _Optional[bool] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
-    __slots__ = ("nodes", "namespace")
+    __slots__ = ("nodes", "namespace", "index")
     NODES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     namespace: str
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., namespace: _Optional[str] = ...) -> None: ...
+    index: str
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., namespace: _Optional[str] = ..., index: _Optional[str] = ...) -> None: ...
