@@ -69,6 +69,9 @@ class RouterMetrics:
         self.index_keys.set_function(lambda: len(router.index))
         self.inflight = Gauge("hicache_router_inflight", "Routes not completed yet", registry=r)
         self.inflight.set_function(lambda: len(router.inflight))
+        self.unanswered = Counter("hicache_router_routes_unanswered", "Routes decided after the call's "
+                                  "deadline: refused with DEADLINE_EXCEEDED, not counted in flight",
+                                  registry=r)
         self.expired = Counter("hicache_router_routes_expired", "Routes dropped at the TTL (never completed)",
                                registry=r)
         self.node_up = Gauge("hicache_router_node_connected", "Event stream in sync, by node", ["node"], registry=r)
@@ -170,6 +173,9 @@ class RouterServicer(rpb_grpc.RouterServicer):
             tb = token_bytes(request.tokens, request.token_ids, r.rconfig.max_request_tokens)
             ref = request.namespace
             ns = self.resolver.resolve(ref.tenant, ref.model, ref.revision, ref.layout)
+            left = context.time_remaining()
+            if left is not None and left <= 0:  # no one waits for the answer: route nothing, count nothing
+                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before routing")
             d = r.route(tb, ns.tenant, request.policy, list(request.exclude_nodes), request.peek)
         except ServiceError as e:
             await context.abort(e.code, e.message)
@@ -179,6 +185,15 @@ class RouterServicer(rpb_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         m = self.metrics
         m.route_seconds.observe(time.perf_counter() - t0)
+        if d.route_id:
+            left = context.time_remaining()
+            # Decided after the client's deadline: the client has given up and never learns the route id, so
+            # the route must not count in flight until route_ttl_s. (A reply lost in transit, or a call the
+            # client cancels while it is decided, still does: the server is not told of either.)
+            if left is not None and left <= 0:
+                r.inflight.finish(d.route_id)
+                m.unanswered.inc()
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed while routing")
         if not request.peek:
             m.routes.labels(d.node, d.reason).inc()
             m.request_pages.inc(d.num_pages)

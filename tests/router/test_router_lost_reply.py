@@ -1,0 +1,57 @@
+"""A Route whose reply never reaches the client (the client's deadline passed while the router was busy)
+does not count in flight until ``route_ttl_s``: the client cannot know its route id to Complete it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from prometheus_client import generate_latest
+from router_helpers import node_config, tokens
+
+from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
+from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
+from hicache.router.config import NodeSpec, RouterConfig
+from hicache.router.server import RouterServer
+
+
+def test_a_route_the_client_gave_up_on_leaves_no_load_behind() -> None:
+    async def main() -> None:
+        # the approximate index dials no node, so no node service is needed for the router to route
+        router = RouterServer(node_config(), RouterConfig(port=0, nodes=[NodeSpec("n0", "127.0.0.1:9")],
+                                                          index="approximate", route_ttl_s=600.0))
+        await router.start()
+        route = router.router.route
+
+        def slow_route(*args: object, **kw: object) -> object:
+            time.sleep(0.4)  # a decision that outlasts the client's deadline (a huge prompt, a busy host)
+            return route(*args, **kw)  # type: ignore[arg-type]
+
+        router.router.route = slow_route  # type: ignore[method-assign]
+        codes: list[grpc.StatusCode] = []
+
+        def client() -> None:
+            with grpc.insecure_channel(f"127.0.0.1:{router.port}") as ch:
+                stub = rpb_grpc.RouterStub(ch)
+                for i in range(2):
+                    try:
+                        stub.Route(rpb.RouteRequest(tokens=tokens(i, 4).tobytes()), timeout=0.2)
+                    except grpc.RpcError as e:
+                        codes.append(e.code())
+
+        try:
+            await asyncio.to_thread(client)
+            assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 2, codes
+            await asyncio.sleep(0.6)  # the second call's handler finishes
+            assert len(router.router.inflight) == 0
+            routed = router.router.nodes["n0"].routed  # the second may come too late to be routed at all
+            assert routed >= 1
+            text = generate_latest(router.registry).decode()
+            assert "hicache_router_inflight 0.0" in text
+            assert f"hicache_router_routes_unanswered_total {float(routed)}" in text
+            assert router.router.nodes["n0"].breaker.state == "closed"  # the node is not to blame
+        finally:
+            await router.stop(0.1)
+
+    asyncio.run(main())
