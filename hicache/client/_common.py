@@ -1,8 +1,11 @@
-"""What the sync and asyncio clients share: channel settings, request builders, retry policy."""
+"""What the sync and asyncio clients share: channel settings, request builders, retry policy, and
+the ids of Match requests the clients name themselves (:func:`new_request_id`, :func:`may_have_opened`)."""
 
 from __future__ import annotations
 
+import logging
 import random
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +21,12 @@ Tokens = bytes | np.ndarray | Sequence[int]
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+# Closing a Match's request the caller never learned of (see :func:`may_have_opened`): the deadline of
+# each Release, and how long ``close()`` waits for such closings still under way before it ends them.
+ABANDON_RELEASE_TIMEOUT_S = 2.0
+ABANDON_CLOSE_WAIT_S = 2.0
+
+log = logging.getLogger("hicache.client")
 
 
 @dataclass(frozen=True)
@@ -31,12 +40,14 @@ class RetryPolicy:
       the call never left the client, so every call is tried again;
     * the connection dropped during the call: the server may have taken it and only the reply was lost.
       Then only calls whose repeat changes nothing are tried again: Stats, GetPoolInfo, Attach, ListPins,
-      Flush, a peek Match; a Match that names its ``request_id`` (the server answers an identical repeat of
-      the Match that opened the id, before any other call on it, with the same reply); and Release (a repeat
-      that finds the request gone returns normally: the first attempt released it). Allocate (it would
-      allocate twice), Commit, Pin (a second pin nobody would unpin), Unpin, Clear and a Match that leaves
-      the id to the server (it would open a second request) fail with the UNAVAILABLE error instead: the
-      caller cannot know whether they took effect.
+      Flush, a peek Match; every other Match, which always names its ``request_id`` (the caller's, or one
+      the client makes up: :func:`new_request_id`), as the server answers an identical repeat of the Match
+      that opened the id, before any other call on it, with the same reply; and Release (a repeat that
+      finds the request gone returns normally: the first attempt released it). Allocate (it would allocate
+      twice), Commit, Pin (a second pin nobody would unpin), Unpin and Clear fail with the UNAVAILABLE
+      error instead: the caller cannot know whether they took effect. (A Match sent by hand with no
+      ``request_id``, which leaves the id to the server, is not retried either: it would open a second
+      request.)
 
     Streaming calls (MatchStream, Prefetch, WatchEvents, ReadPages, WritePages) are never retried.
 
@@ -173,3 +184,40 @@ def retryable(err: grpc.RpcError, idempotent: bool) -> bool:
 def match_idempotent(req: pb.MatchRequest) -> bool:
     """A Match may be repeated after a lost reply when it opens nothing (peek) or names its request."""
     return req.peek or bool(req.request_id)
+
+
+def new_request_id() -> str:
+    """An id for a Match whose caller names none: 32 hex digits (``uuid4``), well within the node's bound
+    on ids (128 bytes, :mod:`hicache.service.requests`) and never one another client chose."""
+    return uuid.uuid4().hex
+
+
+# Codes with which the node refuses a Match before opening anything (validation, a foreign namespace, no
+# room or too many calls in flight, an id already open, authentication, an unknown method): the servicer
+# validates first and drops the id when opening fails.
+_REFUSED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                      grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,
+                      grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                      grpc.StatusCode.UNIMPLEMENTED})
+# ... but this RESOURCE_EXHAUSTED comes from the client's own channel, refusing a reply over its size limit:
+# the node had answered, so it had opened the request.
+_REPLY_TOO_LARGE = "Received message larger than max"
+
+
+def may_have_opened(err: BaseException) -> bool:
+    """Whether a (non-peek) Match that ended with ``err`` may have opened its request on the node.
+
+    No after a refusal (see ``_REFUSED``) and after an UNAVAILABLE that never reached a node
+    (:func:`never_sent`); yes after anything else: DEADLINE_EXCEEDED and CANCELLED (the node may have
+    opened it, or still be opening it, when the call ended), a connection lost mid-call, INTERNAL or
+    UNKNOWN, a reply too large to receive, the caller's cancellation or an interruption."""
+    code = getattr(err, "code", None)
+    if not isinstance(err, grpc.RpcError | CallError) or not callable(code):
+        return True
+    c = code()
+    if c == grpc.StatusCode.UNAVAILABLE:
+        return not never_sent(err)
+    if c == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        details = getattr(err, "details", None)
+        return _REPLY_TOO_LARGE in ((details() if callable(details) else "") or "")
+    return c not in _REFUSED

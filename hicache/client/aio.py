@@ -6,6 +6,11 @@ Match calls in flight from one event loop:
 
     async with AsyncHiCacheClient("127.0.0.1:50051") as c:
         results = await asyncio.gather(*(c.match(t, peek=True) for t in prompts))
+
+As with the blocking client, a Match that opens a request under no caller-given ``request_id`` goes out
+under an id the client made up, and when it fails after the node may have opened the request (its
+deadline passed, the connection dropped, the caller's task was cancelled) the client releases the id in
+a background task: see :meth:`AsyncHiCacheClient.match`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import grpc
 import numpy as np
 
 from hicache.client._common import (
+    ABANDON_CLOSE_WAIT_S,
+    ABANDON_RELEASE_TIMEOUT_S,
     DEFAULT_RECONNECT_MAX_S,
     DEFAULT_TIMEOUT_S,
     CallError,
@@ -31,9 +38,12 @@ from hicache.client._common import (
     check_reply,
     commit_request,
     encode_tokens,
+    log,
     match_idempotent,
     match_request,
+    may_have_opened,
     never_sent,
+    new_request_id,
     ns_ref,
     retryable,
     write_pages_messages,
@@ -56,10 +66,30 @@ from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 R = TypeVar("R")
 
 
+class _Attempts:
+    """Wraps the stub's Match for :meth:`AsyncHiCacheClient._call`: remembers whether any attempt may have
+    opened the request (:func:`may_have_opened`), so that a Match failing after a retry still knows."""
+
+    def __init__(self, method: Callable[..., Awaitable[pb.MatchResponse]]) -> None:
+        self.method = method
+        self.may_have_opened = False
+
+    async def __call__(self, request: pb.MatchRequest, **kw: Any) -> pb.MatchResponse:
+        try:
+            return await self.method(request, **kw)
+        except BaseException as e:  # the caller's cancellation included: the node may have opened it
+            self.may_have_opened = self.may_have_opened or may_have_opened(e)
+            raise
+
+
 class AsyncHiCacheClient:
     """asyncio mirror of :class:`~hicache.client.HiCacheClient`: the same arguments, calls (all but
     ``attach_info``), deadlines, retries and status codes (as ``grpc.aio.AioRpcError``), awaited;
     ``prefetch`` and ``watch_events`` are async iterators. Use it from one event loop.
+
+    A Match the client named the request of (the caller gave no ``request_id``) and that failed after the
+    node may have opened it is closed by a background task (see :meth:`match`); :meth:`close` waits a
+    little for those closings.
     """
 
     def __init__(self, target: str, *, token: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -76,6 +106,7 @@ class AsyncHiCacheClient:
                         else grpc.aio.insecure_channel(target, options=opts))
         self.stub = pb_grpc.HiCacheStub(self.channel)
         self._md = self.settings.metadata()
+        self._abandoning: set[asyncio.Task[None]] = set()  # closings of requests no reply named (see match)
 
     async def _call(self, method: Callable[..., Awaitable[R]], request: Any, timeout_s: float | None, *,
                     idempotent: bool = False) -> R:
@@ -102,8 +133,38 @@ class AsyncHiCacheClient:
         await asyncio.wait_for(self.channel.channel_ready(), timeout_s)
 
     async def close(self) -> None:
-        """Close the channel; calls still active on it are cancelled."""
+        """Close the channel; calls still active on it are cancelled. First waits (up to
+        ``ABANDON_CLOSE_WAIT_S``) for the closings of requests a failed Match may have opened (see
+        :meth:`match`)."""
+        if self._abandoning:
+            await asyncio.wait(list(self._abandoning), timeout=ABANDON_CLOSE_WAIT_S)
         await self.channel.close()
+
+    def _abandon_later(self, req: pb.MatchRequest) -> None:
+        """Close, in a background task, the request a failed Match under a client-made id may have opened
+        (:meth:`_abandon`)."""
+        task = asyncio.ensure_future(self._abandon(req))
+        self._abandoning.add(task)
+        task.add_done_callback(self._abandoning.discard)
+
+    async def _abandon(self, req: pb.MatchRequest) -> None:
+        """As :meth:`HiCacheClient._abandon <hicache.client.HiCacheClient._abandon>`: best effort, release
+        ``req.request_id``; on NOT_FOUND (not open yet, or never) send the same Match again, which the node
+        answers once the first one has opened the id (or opens it itself), and release the id then."""
+        rid = req.request_id
+        try:
+            try:
+                await self.release(rid, timeout_s=ABANDON_RELEASE_TIMEOUT_S)
+                log.debug("match %s: released the request its lost reply named", rid)
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            await self._call(self.stub.Match, req, None, idempotent=True)
+            await self.release(rid, timeout_s=ABANDON_RELEASE_TIMEOUT_S)
+            log.debug("match %s: released the request, once its Match had opened it", rid)
+        except Exception as e:  # best effort: the node's idle expiry closes it otherwise
+            log.debug("match %s: could not release the request it may have opened: %s", rid, e)
 
     async def __aenter__(self) -> AsyncHiCacheClient:
         return self
@@ -115,10 +176,27 @@ class AsyncHiCacheClient:
     async def match(self, tokens: Tokens, request_id: str = "", *, tenant: str = "", load: bool = False,
                     skip_l3: bool = False, peek: bool = False, return_keys: bool = False,
                     timeout_s: float | None = None) -> MatchResult:
-        """As :meth:`HiCacheClient.match`: the longest cached prefix; opens a request unless ``peek``."""
-        req = match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
-        return MatchResult.from_pb(await self._call(self.stub.Match, req, timeout_s,
-                                                    idempotent=match_idempotent(req)))
+        """As :meth:`HiCacheClient.match`: the longest cached prefix; opens a request unless ``peek``.
+
+        With no ``request_id`` (and not ``peek``) the client makes one up and sends it (the reply names
+        it); a call that then fails in a way that may have left the request open on the node (a deadline,
+        a lost connection, the caller's task cancelled) has the id released by a background task, and
+        the error or cancellation reaches the caller at once, as it would without that. A ``request_id``
+        the caller names is the caller's to release.
+        """
+        owned = not request_id and not peek
+        req = match_request(tokens, new_request_id() if owned else request_id, tenant, load, skip_l3, peek,
+                            return_keys)
+        if not owned:
+            return MatchResult.from_pb(await self._call(self.stub.Match, req, timeout_s,
+                                                        idempotent=match_idempotent(req)))
+        attempts = _Attempts(self.stub.Match)
+        try:
+            return MatchResult.from_pb(await self._call(attempts, req, timeout_s, idempotent=True))
+        except BaseException:
+            if attempts.may_have_opened:
+                self._abandon_later(req)
+            raise
 
     def match_stream(self, pipelined: bool = False) -> AsyncMatchStream:
         """A MatchStream session: ``await s.match(...)`` like :meth:`match` (refusals raise
@@ -246,8 +324,9 @@ class AsyncMatchStream:
     the write, and unpipelined the read of the reply, run to their end regardless (cancelling them midway
     would make gRPC cancel the whole stream), the reply is dropped, and later calls get theirs. A call
     cancelled before its turn to write sends nothing. A cancelled Match that was not a peek may still have
-    opened its request on the node: release its ``request_id`` (one the server named stays open until
-    the node's idle expiry).
+    opened its request on the node: one under an id the client made up (the caller gave none) is released
+    by the client when its reply comes (or, if the stream ends first, as :meth:`AsyncHiCacheClient.match`
+    does); one whose ``request_id`` the caller named is the caller's to release.
 
     Once the stream is over (the node or the connection went away, ``close``, a fault in this client while
     reading it) every waiting and later call raises at once: the stream's ``grpc.aio.AioRpcError``, or
@@ -257,10 +336,13 @@ class AsyncMatchStream:
     """
 
     def __init__(self, client: AsyncHiCacheClient, pipelined: bool = False) -> None:
+        self._client = client
         self._call = client.stub.MatchStream(metadata=client._md)
         self._pipelined = pipelined
-        # calls whose request is written (or being written) and whose reply has not come, in order
-        self._pending: collections.deque[asyncio.Future[pb.MatchResponse]] = collections.deque()
+        # calls whose request is written (or being written) and whose reply has not come, in order, each
+        # with its request when the client made up its id (the client's to release if the call is lost)
+        self._pending: collections.deque[tuple[asyncio.Future[pb.MatchResponse], pb.MatchRequest | None]] = \
+            collections.deque()
         self._write_lock = asyncio.Lock()
         self._reader: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None  # set once the stream is over: what every call raises
@@ -287,18 +369,28 @@ class AsyncMatchStream:
             self._failure = err
             self._call.cancel()  # no-op when the call has ended; else frees the node's side of it
         while self._pending:
-            f = self._pending.popleft()
+            f, owned = self._pending.popleft()
             if not f.done():
                 f.set_exception(self._failure)
+            if owned is not None and may_have_opened(self._failure):  # written: the node may have opened it
+                self._client._abandon_later(owned)
+
+    def _unclaimed(self, owned: pb.MatchRequest | None, m: pb.MatchResponse) -> None:
+        """The reply of a call that was cancelled meanwhile: release the request it opened under an id the
+        client made up (nobody else knows that id)."""
+        if owned is not None and not m.HasField("error"):
+            self._client._abandon_later(owned)
 
     async def _read(self) -> None:
         """Pipelined: hand each reply to the oldest pending call (dropped when that call was cancelled)."""
         err: Exception | None = None
         try:
             async for m in self._call:
-                f = self._pending.popleft()  # IndexError (a reply nobody asked for) fails the session
+                f, owned = self._pending.popleft()  # IndexError (a reply nobody asked for) fails the session
                 if not f.done():
                     f.set_result(m)
+                else:
+                    self._unclaimed(owned, m)
         except Exception as e:
             err = e
         except BaseException as e:  # the reader itself was cancelled (loop shutting down), or interrupted
@@ -306,9 +398,9 @@ class AsyncMatchStream:
             raise
         self._fail(await self._error(err))
 
-    async def _send(self, req: pb.MatchRequest, fut: asyncio.Future[pb.MatchResponse]) -> None:
+    async def _send(self, req: pb.MatchRequest, fut: asyncio.Future[pb.MatchResponse], owned: bool) -> None:
         """Write ``req`` in turn; unpipelined, also read its reply into ``fut`` (pipelined: the reader
-        does). Runs shielded from the caller's cancellation."""
+        does). Runs shielded from the caller's cancellation. ``owned``: the client made up the id."""
         async with self._write_lock:
             if fut.done():
                 return  # the call was cancelled before its turn: nothing is sent
@@ -318,7 +410,7 @@ class AsyncMatchStream:
                 return
             if self._pipelined and self._reader is None:
                 self._reader = asyncio.create_task(self._read())
-            self._pending.append(fut)
+            self._pending.append((fut, req if owned else None))
             try:
                 await self._call.write(req)
                 if self._pipelined:
@@ -344,16 +436,25 @@ class AsyncMatchStream:
             self._pending.popleft()
             if not fut.done():  # done: the call was cancelled meanwhile; its reply is dropped
                 fut.set_result(m)
+            else:
+                self._unclaimed(req if owned else None, m)
 
     async def match(self, tokens: Tokens, request_id: str = "", *, tenant: str = "", load: bool = False,
                     skip_l3: bool = False, peek: bool = False, return_keys: bool = False) -> MatchResult:
-        """As :meth:`HiCacheClient.match`, over the stream; a refusal raises :class:`CallError`."""
-        req = match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
+        """As :meth:`HiCacheClient.match`, over the stream; a refusal raises :class:`CallError`. With no
+        ``request_id`` (not a peek) the client makes one up, and releases it if the call is cancelled or
+        the stream fails before the reply reaches the caller (see :class:`AsyncMatchStream`)."""
+        owned = not request_id and not peek
+        req = match_request(tokens, new_request_id() if owned else request_id, tenant, load, skip_l3, peek,
+                            return_keys)
         fut: asyncio.Future[pb.MatchResponse] = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.shield(self._send(req, fut))
+            await asyncio.shield(self._send(req, fut, owned))
             m = await fut
         except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                # the reply had come as the cancellation landed: nobody takes it now
+                self._unclaimed(req if owned else None, fut.result())
             fut.cancel()  # not written yet: it never will be; written: its reply is dropped when it comes
             raise
         return MatchResult.from_pb(check_reply(m))

@@ -14,12 +14,20 @@ after a connection lost mid-call only when a repeat changes nothing (:class:`Ret
 calls). Errors surface as ``grpc.RpcError`` with
 the server's status code and message; a refusal inside a ``match_stream`` session raises
 :class:`~hicache.client.CallError` with the same code and message.
+
+A Match that opens a request (not a peek) always names its id: when the caller gives none, the client
+makes one up (:func:`~hicache.client._common.new_request_id`), and the result carries it as before. So when
+such a Match fails after the node may have opened the request (its deadline passed, the connection
+dropped, the call was interrupted), the client can close it: it releases the id on the node in the
+background (best effort; failures are logged at debug level) rather than leave the request and the pages
+it locks open until the node's idle expiry. An id the caller named stays the caller's to release.
 """
 
 from __future__ import annotations
 
 import contextlib
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
@@ -29,6 +37,8 @@ import grpc
 import numpy as np
 
 from hicache.client._common import (
+    ABANDON_CLOSE_WAIT_S,
+    ABANDON_RELEASE_TIMEOUT_S,
     DEFAULT_RECONNECT_MAX_S,
     DEFAULT_TIMEOUT_S,
     CallError,
@@ -38,9 +48,12 @@ from hicache.client._common import (
     check_reply,
     commit_request,
     encode_tokens,
+    log,
     match_idempotent,
     match_request,
+    may_have_opened,
     never_sent,
+    new_request_id,
     ns_ref,
     retryable,
     write_pages_messages,
@@ -63,6 +76,22 @@ from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 R = TypeVar("R")
 
 
+class _Attempts:
+    """Wraps the stub's Match for :meth:`HiCacheClient._call`: remembers whether any attempt may have
+    opened the request (:func:`may_have_opened`), so that a Match failing after a retry still knows."""
+
+    def __init__(self, method: Callable[..., pb.MatchResponse]) -> None:
+        self.method = method
+        self.may_have_opened = False
+
+    def __call__(self, request: pb.MatchRequest, **kw: Any) -> pb.MatchResponse:
+        try:
+            return self.method(request, **kw)
+        except BaseException as e:
+            self.may_have_opened = self.may_have_opened or may_have_opened(e)
+            raise
+
+
 class HiCacheClient:
     """Blocking client of one node's ``hicache.v1.HiCache`` service, over one gRPC channel.
 
@@ -73,6 +102,10 @@ class HiCacheClient:
     the system's roots; ``reconnect_max_s``: the longest wait between connection attempts to a node that
     went away (gRPC's own default grows to 120 s). Calls may come from several threads at once; a
     :class:`MatchStream` may not.
+
+    A Match the client named the request of (the caller gave no ``request_id``) and that failed after the
+    node may have opened it is closed on a background thread (see :meth:`match`); :meth:`close` waits a
+    little for those closings.
     """
 
     def __init__(self, target: str, *, token: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -89,6 +122,8 @@ class HiCacheClient:
                         else grpc.insecure_channel(target, options=opts))
         self.stub = pb_grpc.HiCacheStub(self.channel)
         self._md = self.settings.metadata()
+        self._abandoning: set[threading.Thread] = set()  # closings of requests no reply named (see match)
+        self._abandoning_lock = threading.Lock()
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: Callable[..., R], request: Any, timeout_s: float | None, *,
@@ -116,8 +151,47 @@ class HiCacheClient:
         grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
 
     def close(self) -> None:
-        """Close the channel; calls still active on it are ended."""
+        """Close the channel; calls still active on it are ended. First waits (up to
+        ``ABANDON_CLOSE_WAIT_S`` in all) for the closings of requests a failed Match may have opened (see
+        :meth:`match`)."""
+        end = time.monotonic() + ABANDON_CLOSE_WAIT_S
+        with self._abandoning_lock:
+            pending = list(self._abandoning)
+        for t in pending:
+            t.join(max(0.0, end - time.monotonic()))
         self.channel.close()
+
+    def _abandon_later(self, req: pb.MatchRequest) -> None:
+        """Close, on a background thread, the request a failed Match under a client-made id may have
+        opened (:meth:`_abandon`)."""
+        t = threading.Thread(target=self._abandon, args=(req,), name="hicache-abandon", daemon=True)
+        with self._abandoning_lock:
+            self._abandoning.add(t)
+        t.start()
+
+    def _abandon(self, req: pb.MatchRequest) -> None:
+        """Best effort: release ``req.request_id``, an id this client made up for a Match whose reply it
+        never got. NOT_FOUND means the id is not open: the Match never opened it, or it is still opening
+        it (an L3 lookup, a load); then the same Match is sent again, which the node answers from the
+        request once the first one has opened it (or, if that one failed, opens the id itself), and the
+        id is released. Errors are logged at debug level, never raised."""
+        rid = req.request_id
+        try:
+            try:
+                self.release(rid, timeout_s=ABANDON_RELEASE_TIMEOUT_S)
+                log.debug("match %s: released the request its lost reply named", rid)
+                return
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            self._call(self.stub.Match, req, None, idempotent=True)
+            self.release(rid, timeout_s=ABANDON_RELEASE_TIMEOUT_S)
+            log.debug("match %s: released the request, once its Match had opened it", rid)
+        except Exception as e:  # best effort: the node's idle expiry closes it otherwise
+            log.debug("match %s: could not release the request it may have opened: %s", rid, e)
+        finally:
+            with self._abandoning_lock:
+                self._abandoning.discard(threading.current_thread())
 
     def __enter__(self) -> HiCacheClient:
         return self
@@ -129,9 +203,31 @@ class HiCacheClient:
     def match(self, tokens: Tokens, request_id: str = "", *, tenant: str = "", load: bool = False,
               skip_l3: bool = False, peek: bool = False, return_keys: bool = False,
               timeout_s: float | None = None) -> MatchResult:
-        """Longest cached prefix; opens a request (the returned ``request_id``) unless ``peek``."""
-        req = match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
-        return MatchResult.from_pb(self._call(self.stub.Match, req, timeout_s, idempotent=match_idempotent(req)))
+        """Longest cached prefix; opens a request (the returned ``request_id``) unless ``peek``.
+
+        With no ``request_id`` (and not ``peek``) the client makes one up (:func:`new_request_id`) and sends
+        it: the reply names it as before. Then the call is retried after a connection lost mid-call like
+        any Match naming its id (the node answers the repeat with the first reply, no second request), and
+        when it fails in a way that may have left the request open on the node (DEADLINE_EXCEEDED,
+        CANCELLED, a connection lost, an interruption: :func:`may_have_opened`), the client releases the
+        id in the background and raises the error; a refusal (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...)
+        opened nothing and leaves nothing to release, unless an earlier attempt of the same call may have
+        (a retry refused with ALREADY_EXISTS, from a node that does not answer repeats, found the id open
+        under that attempt: it is released too). A ``request_id`` the caller names is the caller's to
+        release in every case.
+        """
+        owned = not request_id and not peek
+        req = match_request(tokens, new_request_id() if owned else request_id, tenant, load, skip_l3, peek,
+                            return_keys)
+        if not owned:
+            return MatchResult.from_pb(self._call(self.stub.Match, req, timeout_s, idempotent=match_idempotent(req)))
+        attempts = _Attempts(self.stub.Match)
+        try:
+            return MatchResult.from_pb(self._call(attempts, req, timeout_s, idempotent=True))
+        except BaseException:
+            if attempts.may_have_opened:
+                self._abandon_later(req)
+            raise
 
     def match_stream(self) -> MatchStream:
         """A MatchStream session (one call in flight at a time from this blocking client)."""
@@ -270,11 +366,16 @@ class MatchStream:
     leaves that reply due on the stream, where the next call would take it for its own. So the stream is
     cancelled then, and later calls raise :class:`CallError` (CANCELLED): open a new session. Likewise
     once the stream has failed, ended or been closed, every later call raises at once.
+
+    As in :meth:`HiCacheClient.match`, a Match with no ``request_id`` (not a peek) goes out under an id
+    the client made up; when its call is interrupted or the stream fails or ends before its reply, the
+    client releases that id over the session's client in the background (the node may have opened it).
     """
 
     _END = object()
 
     def __init__(self, client: HiCacheClient) -> None:
+        self._client = client
         self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._replies = client.stub.MatchStream(iter(self._q.get, self._END), metadata=client._md)
         self._failure: BaseException | None = None  # set once no more calls can be made: what they raise
@@ -285,9 +386,12 @@ class MatchStream:
 
         A refused request raises :class:`CallError` and the stream goes on; a failed stream raises
         ``grpc.RpcError`` (and so does every later call); a stream that ended, was closed or was cancelled
-        raises :class:`CallError`.
+        raises :class:`CallError`. With no ``request_id`` (not a peek) the client makes one up, and
+        releases it when the call fails before its reply (see :class:`MatchStream`).
         """
-        req = match_request(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
+        owned = not request_id and not peek
+        req = match_request(tokens, new_request_id() if owned else request_id, tenant, load, skip_l3, peek,
+                            return_keys)
         if self._failure is not None:
             raise self._failure
         self._q.put(req)
@@ -296,10 +400,14 @@ class MatchStream:
         except StopIteration:
             self._failure = CallError(grpc.StatusCode.UNAVAILABLE, "match stream ended")
             self._q.put(self._END)  # lets gRPC's request thread, waiting for the next request, finish
+            if owned:
+                self._client._abandon_later(req)
             raise self._failure from None
         except grpc.RpcError as e:  # the stream failed: later calls raise the same
             self._failure = e
             self._q.put(self._END)
+            if owned and may_have_opened(e):
+                self._client._abandon_later(req)
             raise
         except BaseException as e:  # interrupted while the reply is due: no later call may take it
             self._failure = CallError(grpc.StatusCode.CANCELLED,
@@ -307,6 +415,8 @@ class MatchStream:
                                       "while its reply was due; the stream was cancelled")
             self._q.put(self._END)
             self._replies.cancel()
+            if owned:
+                self._client._abandon_later(req)
             raise
         return MatchResult.from_pb(check_reply(m))
 
