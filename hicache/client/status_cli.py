@@ -135,7 +135,7 @@ def router_view(resp: rpb.ListNodesResponse, prev: rpb.ListNodesResponse | None,
         if prev is not None and dt > 0:
             row["routes_per_s"] = (n.routed - before.get(n.name, n.routed)) / dt
         nodes.append(row)
-    return {"kind": "router", "namespace": resp.namespace, "nodes": nodes}
+    return {"kind": "router", "namespace": resp.namespace, "index": resp.index or "events", "nodes": nodes}
 
 
 def _f(x: float | None) -> str:
@@ -168,9 +168,11 @@ def render(view: dict[str, Any], target: str) -> str:
         return "\n".join(lines)
     head = f"{'node':<16} {'address':<22} {'sync':<5} {'breaker':<9} {'L1 pages':>9} {'L2 pages':>9} " \
            f"{'in flight':>9} {'queue':>6} {'routed':>8}"
-    rows = [f"router {target}  namespace {view['namespace']}", head]
+    approx = view.get("index") == "approximate"
+    index = "  approximate index (pages predicted from the routes; no event streams)" if approx else ""
+    rows = [f"router {target}  namespace {view['namespace']}{index}", head]
     for n in view["nodes"]:
-        sync = "yes" if n["connected"] else "NO"
+        sync = "-" if approx else "yes" if n["connected"] else "NO"
         if not n["namespace_ok"]:
             sync = "ns!"
         rate = f" ({n['routes_per_s']:.1f}/s)" if "routes_per_s" in n else ""

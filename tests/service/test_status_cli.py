@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import yaml
@@ -13,6 +15,8 @@ from cli_procs import ROUTE_READY, free_port, start_cli, stop
 
 from hicache.cli import main
 from hicache.client import HiCacheClient
+from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
+from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
 
 from .service_harness import ServerProc, serve_prompt
 
@@ -148,6 +152,28 @@ def test_router_status_lists_its_nodes(router: str, node: ServerProc, capsys: py
     rc, out, _ = status(capsys, router)
     assert rc == 0 and out.startswith(f"router {router}")
     assert any(line.startswith("n0 ") and " yes " in line for line in out.splitlines())
+
+
+def test_status_of_an_approximate_router(node: ServerProc, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A router with the approximate index follows no stream: its nodes are not shown out of sync, and the
+    pages it predicts after a route are listed."""
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text(yaml.safe_dump({k: v for k, v in node.config.items() if k in ("layout", "model")}))
+    proc, port = start_cli(["route", "--config", str(cfg), "--port", "0", "--node", f"n0={node.target}",
+                            "--index", "approximate"], ROUTE_READY)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            d = rpb_grpc.RouterStub(ch).Route(rpb.RouteRequest(token_ids=list(range(256))), timeout=10)
+        rc, out, _ = status(capsys, f"127.0.0.1:{port}", "--json")
+        view = json.loads(out)
+        assert rc == 0 and view["index"] == "approximate"
+        assert view["nodes"][0]["l1_pages"] == d.num_pages > 0
+        rc, out, _ = status(capsys, f"127.0.0.1:{port}")
+        assert rc == 0 and "approximate index" in out.splitlines()[0]
+        assert any(line.startswith("n0 ") and " - " in line and " NO " not in line for line in out.splitlines())
+    finally:
+        stop([proc])
 
 
 def test_help_lists_status(capsys: pytest.CaptureFixture[str]) -> None:
