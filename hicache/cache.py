@@ -36,6 +36,7 @@ import numpy as np
 from hicache.cache_types import CacheFullError, CommitResult, LoadResult, MultiHandle, PinInfo, Request
 from hicache.config import ConfigError, HiCacheConfig
 from hicache.keys import Namespace, page_keys_from_bytes, tokens_to_bytes
+from hicache.l3_tally import L3Tally
 from hicache.metrics import Metrics
 from hicache.pool import DevicePool, HostMemoryError, HostPool, default_block_pages, format_bytes
 from hicache.radix import EMPTY, RadixTree, TreeEvent, TreeNode
@@ -376,7 +377,9 @@ class HiCache:
             mt.lookup_tokens.inc(req.num_pages * self.page_size)
             mt.hit["l1"].inc(req.l1_pages * self.page_size)
             mt.hit["l2"].inc(req.l2_pages * self.page_size)
-            mt.hit["l3"].inc(req.l3_pages * self.page_size)
+            if req.l3_pages:  # served or not is known later: hit{l3} counts it then (_count_l3)
+                mt.l3_matched_tokens.inc(req.l3_pages * self.page_size)
+                req.l3 = L3Tally(req.l1_pages + req.l2_pages, req.l3_pages)
             mt.match_seconds.observe(time.perf_counter() - t0)
         return req
 
@@ -416,6 +419,8 @@ class HiCache:
             raise
         req.prefetched = True
         req.prefetch_start = start
+        if req.l3 is not None:
+            req.l3.fetch_first, req.l3.fetch_pages = start, n
         return n
 
     def _free_host_locked(self, pages: np.ndarray) -> None:
@@ -423,6 +428,8 @@ class HiCache:
             self.host_pool.allocator.free(pages)
 
     def _finish_prefetch(self, req: Request) -> int:
+        """End the request's prefetch per policy and put the pages that landed in the tree; returns how
+        many leading pages of its run (from ``req.prefetch_start``) entered the tree for it."""
         task = req.prefetch
         if task is None:
             return 0
@@ -436,6 +443,8 @@ class HiCache:
             wait = s.prefetch_timeout(task.num_pages * self.page_size)
         n = task.finish(wait)
         self.metrics.prefetch_seconds.observe(time.monotonic() - task.created_at)
+        if req.l3 is not None:
+            req.l3.landed, req.l3.missed = n, task.missed
         with self._lock:
             self._prefetch_inflight_bytes -= task.num_pages * self.layout.bytes_per_page
             self.metrics.prefetch_inflight_bytes.set(self._prefetch_inflight_bytes)
@@ -481,7 +490,10 @@ class HiCache:
         """
         t0 = time.perf_counter()
         self._check_open(req)
-        l3_done = self._finish_prefetch(req)
+        finishing = req.prefetch is not None
+        kept = self._finish_prefetch(req)
+        if finishing and req.l3 is not None:
+            req.l3.kept = kept
         with self._lock:
             # Re-match: the tree may have changed (prefetched pages inserted, other commits).
             m = self.tree.match(req.ns.digest, req.token_bytes, touch=False)
@@ -519,6 +531,11 @@ class HiCache:
             req.pin_node = None
             req.lock_node = new_lock
             req.device_indices = dev_all
+            # the prefetched pages in the prefix now: a page evicted since it entered the tree ends it
+            l3_done = min(kept, max(0, len(dev_all) - req.prefetch_start))
+            # its prefetch has ended (here, or at a load back that failed after it): its L3 run is settled
+            if req.prefetched and req.prefetch is None:
+                self._count_l3(req, len(dev_all))
             self._update_gauges()
         # loads the prefix depends on: those seen at match time, those another request started since on
         # pages this request matched on L2 (the re-match found them on L1, still loading), and ours
@@ -659,8 +676,12 @@ class HiCache:
                 self.metrics.prefetch_aborted.inc()
                 if not task.cancelled and task.handed > 0:  # ... and handed over, but never loaded back
                     self.host_pool.allocator.free(task.host_pages[: task.handed])
+                if req.l3 is not None:  # what landed (the worker has stopped) is dropped with the request
+                    req.l3.landed, req.l3.missed = task.completed, task.missed
             req.prefetch = None
         with self._lock:
+            if req.l3 is not None:  # never loaded its prefetch back: nothing of the run was served
+                self._count_l3(req, 0)
             self.tree.unlock(req.lock_node)
             self.tree.unpin_host(req.pin_node)
             for pages in req.owned_device:
@@ -668,6 +689,20 @@ class HiCache:
             req.owned_device, req.pin_node, req.lock_node = [], None, None
             req.released = True
             self._update_gauges()
+
+    def _count_l3(self, req: Request, usable: int) -> None:
+        """Count what became of the request's L3 run (under the tree lock, once: at the load back of its
+        prefetch, or at its release): ``hicache_hit_tokens_total{tier="l3"}`` the pages served,
+        ``hicache_l3_unserved_tokens_total`` the others by reason (:mod:`hicache.l3_tally`). ``usable``:
+        pages of the request's prefix on L1 now (0 at a release)."""
+        tally, req.l3 = req.l3, None
+        if tally is None:
+            return
+        out = tally.outcome(usable)
+        self.metrics.hit["l3"].inc(out.pop("served") * self.page_size)
+        for reason, pages in out.items():
+            if pages:
+                self.metrics.l3_unserved[reason].inc(pages * self.page_size)
 
     def _check_open(self, req: Request) -> None:
         if req.released:

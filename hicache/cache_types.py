@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hicache.keys import Namespace
+from hicache.l3_tally import L3Tally
 from hicache.radix import TreeNode
 from hicache.storage.prefetch import PrefetchTask
 from hicache.transfer import TransferHandle
@@ -38,6 +39,7 @@ class Request:
     prefetch: PrefetchTask | None = None
     prefetched: bool = False  # a prefetch was started for it (at most one per request)
     prefetch_start: int = 0  # the page its prefetch starts at
+    l3: L3Tally | None = None  # what became of its L3 run, until counted (load back of its prefetch, release)
     released: bool = False
 
     @property
@@ -72,7 +74,7 @@ class LoadResult(NamedTuple):
     # loads and this one); None when none is pending
     device_indices: np.ndarray  # L1 pages of the whole usable prefix, in order
     l2_pages: int  # pages loaded from L2
-    l3_pages: int  # of which came from L3 through prefetch
+    l3_pages: int  # pages of the prefix the request's prefetch brought from L3 (landed, and usable now)
 
     def wait_layer(self, layer: int) -> None:
         if self.handle is not None:

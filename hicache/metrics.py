@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
+from hicache.l3_tally import UNSERVED_REASONS
+
 TIERS = ("l1", "l2", "l3")
 STORAGE_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 # The L3 backend's counters (:class:`hicache.storage.base.StorageStats` fields) exported as Prometheus
@@ -53,7 +55,21 @@ class Metrics:
         r.register(ScrapeHook(self._collect))  # type: ignore[arg-type]
         self.lookups = Counter("hicache_lookups", "Match calls (peers' WritePages not included)", registry=r)
         self.lookup_tokens = Counter("hicache_lookup_tokens", "Tokens looked up (full pages)", registry=r)
-        self.hit_tokens = Counter("hicache_hit_tokens", "Tokens hit, by tier", ["tier"], registry=r)
+        self.hit_tokens = Counter(
+            "hicache_hit_tokens", "Prompt tokens hit, by tier: l1 and l2 as Match finds them; l3 only tokens served "
+            "from L3 (landed through the request's prefetch and in its prefix after its load back, counted then; "
+            "what the store merely reported at Match is hicache_l3_matched_tokens_total)", ["tier"], registry=r)
+        self.l3_matched_tokens = Counter(
+            "hicache_l3_matched_tokens", "Tokens the L3 store reported present at Match (continuing the L1 and L2 "
+            "hit), served or not. Once their requests have loaded their prefetch back or been released, this is "
+            "hicache_hit_tokens_total{tier=\"l3\"} plus hicache_l3_unserved_tokens_total", registry=r)
+        self.l3_unserved_tokens = Counter(
+            "hicache_l3_unserved_tokens", "Tokens matched on L3 and not served from it, by reason: not_fetched (no "
+            "prefetch read them: below storage.prefetch_threshold_tokens, over the in-flight cap, no room on L2, "
+            "none asked for, as by a peek), missing (the store did not return the page or one before it: absent, "
+            "damaged, foreign, store failing), cut_short (the prefetch was stopped first: prefetch_policy's wait, "
+            "a release, shutdown), dropped (landed but unused: released before its load back, the request's "
+            "tokens changed, the page or its prefix left the cache, no room on L1)", ["reason"], registry=r)
         self.evicted_tokens = Counter("hicache_evicted_tokens", "Tokens evicted, by tier", ["tier"], registry=r)
         self.loadback_tokens = Counter("hicache_loadback_tokens", "Tokens loaded L2 -> L1", registry=r)
         self.loadback_bytes = Counter("hicache_loadback_bytes", "Bytes loaded L2 -> L1", registry=r)
@@ -97,6 +113,7 @@ class Metrics:
         self._storage_up_exported = False
         # children bound once: a labels() lookup per call costs microseconds on the hot path
         self.hit = {t: self.hit_tokens.labels(t) for t in TIERS}
+        self.l3_unserved = {x: self.l3_unserved_tokens.labels(x) for x in UNSERVED_REASONS}
         self.used = {t: self.pool_used.labels(t) for t in TIERS[:2]}
         self.pinned = {t: self.pinned_pages.labels(t) for t in TIERS[:2]}
         self.match_seconds = Histogram("hicache_match_seconds", "Match latency", registry=r,

@@ -103,6 +103,14 @@ def hits(l1: int = 0, l2: int = 0, l3: int = 0) -> dict[Key, float]:
     return {key("hicache_hit_tokens_total", tier=t): v for t, v in (("l1", l1), ("l2", l2), ("l3", l3))}
 
 
+def l3_run(matched: int = 0, **unserved: int) -> dict[Key, float]:
+    """Tokens Match found on L3 (``hicache_l3_matched_tokens_total``) and, by reason, tokens of such runs
+    not served from L3 (``hicache_l3_unserved_tokens_total``; reasons as :mod:`hicache.l3_tally`)."""
+    out = {key("hicache_l3_matched_tokens_total"): float(matched)}
+    out.update({key("hicache_l3_unserved_tokens_total", reason=r): float(v) for r, v in unserved.items()})
+    return out
+
+
 def evicted(l1: int = 0, l2: int = 0) -> dict[Key, float]:
     return {key("hicache_evicted_tokens_total", tier="l1"): l1, key("hicache_evicted_tokens_total", tier="l2"): l2}
 

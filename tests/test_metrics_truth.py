@@ -32,6 +32,7 @@ from metricskit import (
     evicted,
     hits,
     key,
+    l3_run,
     loadback,
     lookups,
     merge,
@@ -43,6 +44,7 @@ from metricskit import (
 
 from hicache.cache import HiCache, Request
 from hicache.keys import page_keys_from_bytes, tokens_to_bytes
+from hicache.l3_tally import UNSERVED_REASONS
 from hicache.storage.memory import MemoryBackend
 from kvhelpers import commit_fresh, small_config, write_kv
 
@@ -129,7 +131,8 @@ def test_tier_round_trip(caches: list[HiCache], tmp_path: Path, policy: str, sto
     req = run(cache, longer, seed=2)
     assert (req.l1_pages, req.l2_pages, req.l3_pages) == (0, 0, in_l3)
     cache.flush()
-    led.step("served from L3", merge(lookups(1, 40), hits(l3=in_l3 * P), loadback(in_l3 * P, in_l3 * bpp),
+    led.step("served from L3", merge(lookups(1, 40), hits(l3=in_l3 * P), l3_run(in_l3 * P),
+                                     loadback(in_l3 * P, in_l3 * bpp),
                                      {key("hicache_prefetch_tokens_total"): in_l3 * P},
                                      storage(read=in_l3, page_bytes=bpp)),
              pools(10, in_l3))
@@ -190,14 +193,17 @@ def test_prefetch_policies(caches: list[HiCache], policy: str) -> None:
     req = cache.match(doc)
     assert cache.prefetch(req) == 8
     assert store.stalled.wait(10)
-    led.step("prefetch in flight", merge(lookups(1, 32), hits(l3=32), storage(read=3, page_bytes=bpp)),
+    # the store had all 8 pages at the match; hit{l3} counts what the load back gets
+    led.step("prefetch in flight", merge(lookups(1, 32), l3_run(32), storage(read=3, page_bytes=bpp)),
              {key("hicache_prefetch_inflight_bytes"): 8 * bpp, **pools(0, 8)})
     threading.Timer(0.3, store.go).start()
     load = cache.load_back(req)
     load.wait()
     got = 8 if complete else 3
     assert (load.l2_pages, load.l3_pages) == (got, got)
-    led.step("loaded", merge(loadback(got * P, got * bpp), {key("hicache_prefetch_tokens_total"): got * P},
+    # cut short by the policy's wait, the stalled read then fails: the store did not return page 4
+    led.step("loaded", merge(hits(l3=got * P), l3_run(missing=(8 - got) * P),
+                             loadback(got * P, got * bpp), {key("hicache_prefetch_tokens_total"): got * P},
                              {key("hicache_prefetch_aborted_total"): 0 if complete else 1},
                              storage(read=5, page_bytes=bpp) if complete else storage(misses=1, errors=1)),
              {key("hicache_prefetch_inflight_bytes"): 0, **pools(got, got)})
@@ -228,6 +234,7 @@ def test_prefetch_cancelled_by_release(caches: list[HiCache], when: str) -> None
         assert store.stalled.wait(10)
         threading.Timer(0.2, store.go).start()
         read = storage(read=3, misses=1, errors=1, page_bytes=bpp)
+        fate = l3_run(32, dropped=12, missing=20)  # 3 pages landed for nothing, the 4th read failed
     else:
         if when == "finished":
             assert task.finish(None) == 8  # all 8 land, handed to the request (not inserted yet)
@@ -235,9 +242,10 @@ def test_prefetch_cancelled_by_release(caches: list[HiCache], when: str) -> None
         while not task.done() and time.monotonic() < deadline:
             time.sleep(0.005)
         read = storage(read=8, page_bytes=bpp)
+        fate = l3_run(32, dropped=32)  # all 8 landed, none served
     cache.release(req)
     led.step(f"released with its prefetch {when}",
-             merge(lookups(1, 32), hits(l3=32), read, {key("hicache_prefetch_aborted_total"): 1}),
+             merge(lookups(1, 32), fate, read, {key("hicache_prefetch_aborted_total"): 1}),
              {key("hicache_prefetch_inflight_bytes"): 0, **pools(0, 0)})
     cache.check_integrity()
 
@@ -252,8 +260,9 @@ def test_prefetch_refused(caches: list[HiCache], tmp_path: Path) -> None:
     led = Ledger(cache)
     req = cache.match(doc)
     assert cache.prefetch(req) == 0  # 8 pages > the 4-page cap
-    led.step("over the cap", merge(lookups(1, 32), hits(l3=32), {key("hicache_prefetch_aborted_total"): 1}))
+    led.step("over the cap", merge(lookups(1, 32), l3_run(32), {key("hicache_prefetch_aborted_total"): 1}))
     cache.release(req)
+    led.step("released", l3_run(not_fetched=32))
 
     small = prompt(6, 3)
     cold_l3(cache, small)  # 3 pages in L3 (the cap allows 4)
@@ -265,11 +274,13 @@ def test_prefetch_refused(caches: list[HiCache], tmp_path: Path) -> None:
     held = cache.match(pinned)  # pins them
     req = cache.match(small)
     assert cache.prefetch(req) == 0
-    led.step("no room on L2", merge(lookups(3, 32 + 32 + 12), backed(32, 32), evicted(l1=32), hits(l2=32, l3=12),
-                                    storage(written=8, page_bytes=768), {key("hicache_prefetch_aborted_total"): 1}),
+    led.step("no room on L2", merge(lookups(3, 32 + 32 + 12), backed(32, 32), evicted(l1=32), hits(l2=32),
+                                    l3_run(12), storage(written=8, page_bytes=768),
+                                    {key("hicache_prefetch_aborted_total"): 1}),
              pools(0, 8))
     cache.release(req)
     cache.release(held)
+    led.step("released", l3_run(not_fetched=12))
     cache.check_integrity()
 
 
@@ -288,7 +299,9 @@ def test_two_requests_prefetch_the_same_run(caches: list[HiCache], tmp_path: Pat
     la.wait()
     lb.wait()
     assert la.l2_pages == 8 and lb.l2_pages == 0  # b finds the run on L1
-    led.step("both loaded", merge(lookups(2, 64), hits(l3=64), storage(read=16, page_bytes=bpp), loadback(32, 8 * bpp),
+    # b's prefetch landed the run too: it is served from L3 to both (L2 holds it once)
+    led.step("both loaded", merge(lookups(2, 64), hits(l3=64), l3_run(64), storage(read=16, page_bytes=bpp),
+                                  loadback(32, 8 * bpp),
                                   {key("hicache_prefetch_tokens_total"): 32}), pools(8, 8))
     cache.release(a)
     cache.release(b)
@@ -321,7 +334,7 @@ def test_damaged_l3_page(caches: list[HiCache], tmp_path: Path, store: str) -> N
     load = cache.load_back(req)
     load.wait()
     assert load.l3_pages == 3
-    led.step("damaged page", merge(lookups(1, 32), hits(l3=32), loadback(12, 3 * bpp),
+    led.step("damaged page", merge(lookups(1, 32), hits(l3=12), l3_run(32, missing=20), loadback(12, 3 * bpp),
                                    {key("hicache_prefetch_tokens_total"): 12, key("hicache_prefetch_aborted_total"): 1},
                                    storage(read=3, misses=5, corrupt=1, page_bytes=bpp)), pools(3, 3))
     cache.release(req)
@@ -409,7 +422,8 @@ class Truth:
 
     def __init__(self) -> None:
         self.lookups = self.lookup_tokens = 0
-        self.hit = {"l1": 0, "l2": 0, "l3": 0}
+        self.hit = {"l1": 0, "l2": 0, "l3": 0}  # l3: served, as the load backs report it
+        self.l3_matched = 0  # tokens the matches found on L3
         self.committed_l1 = 0  # pages commit newly placed on L1
         self.loaded = 0  # pages load_back moved L2 -> L1
         self.aborted = 0  # prefetches refused, cut short, or dropped by a release
@@ -417,8 +431,9 @@ class Truth:
     def matched(self, req: Request) -> None:
         self.lookups += 1
         self.lookup_tokens += req.num_pages * P
-        for t, n in (("l1", req.l1_pages), ("l2", req.l2_pages), ("l3", req.l3_pages)):
+        for t, n in (("l1", req.l1_pages), ("l2", req.l2_pages)):
             self.hit[t] += n * P
+        self.l3_matched += req.l3_pages * P
 
 
 def val(reg: Any, name: str, **labels: str) -> float:
@@ -439,6 +454,12 @@ def check_laws(cache: HiCache, truth: Truth, live: list[Request], flushed: bool)
     for t in ("l1", "l2", "l3"):
         assert v("hicache_hit_tokens_total", tier=t) == truth.hit[t], t
     assert sum(truth.hit.values()) <= truth.lookup_tokens
+    # every token matched on L3 is served, counted unserved for one reason, or still open (its request has
+    # not loaded its prefetch back nor been released)
+    assert v("hicache_l3_matched_tokens_total") == truth.l3_matched
+    unserved = sum(v("hicache_l3_unserved_tokens_total", reason=x) for x in UNSERVED_REASONS)
+    still_open = sum(r.l3.pages for r in live if r.l3 is not None) * P
+    assert v("hicache_hit_tokens_total", tier="l3") + unserved + still_open == truth.l3_matched
     # gauges: the allocators, the pins, the prefetches in flight, the writeback queue
     dev, host = cache.device_pool.allocator, cache.host_pool.allocator
     assert v("hicache_pool_used_pages", tier="l1") == dev.used_pages
@@ -594,6 +615,7 @@ def finish(cache: HiCache, req: Request, tokens: list[int], truth: Truth, seed: 
     load = cache.load_back(req)
     load.wait()
     truth.loaded += load.l2_pages
+    truth.hit["l3"] += load.l3_pages * P
     if prefetching and load.l3_pages < prefetching:
         truth.aborted += 1  # cut short (damaged page, best_effort)
     new = cache.alloc(req, len(tokens) // P - len(load.device_indices))

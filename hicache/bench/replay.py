@@ -28,7 +28,7 @@ class ReplayResult:
     prompt: np.ndarray  # prompt tokens
     l1: np.ndarray  # hit on L1
     l2: np.ndarray  # hit on L2 (continuing L1)
-    l3: np.ndarray  # hit on L3 (continuing L2)
+    l3: np.ndarray  # hit on L3 (continuing L2): served from it, not merely reported present at match
     reused: np.ndarray  # not recomputed (on L1 after load-back)
     wall_s: float
     cache_s: float  # time spent inside the cache calls

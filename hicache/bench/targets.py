@@ -36,7 +36,8 @@ class Outcome(NamedTuple):
 
     l1: int  # hit on L1
     l2: int  # continuing on L2
-    l3: int  # continuing on L3
+    l3: int  # continuing on L3 and served from it: landed through the request's prefetch and loaded back
+    # (pages the store reported at match but did not deliver in time, or at all, are not hits)
     reused: int  # KV available on L1 for compute after load-back: tokens not recomputed
     committed: int  # tokens of prompt + output cached after the request
     seconds: float  # time spent in cache calls
@@ -87,13 +88,15 @@ class InProcessTarget(Target):
         c, ps = self.cache, self.page_size
         t0 = time.perf_counter()
         r = c.match(req.tokens)
-        l1, l2, l3 = r.l1_pages, r.l2_pages, r.l3_pages
+        l1, l2, l3 = r.l1_pages, r.l2_pages, 0
         committed = 0
         try:
-            if l3:
+            if r.l3_pages:
                 c.prefetch(r)
             with contextlib.suppress(CacheFullError):  # the L2 run does not fit on L1 now: recomputed
-                c.load_back(r, layer_wise=False).wait()
+                load = c.load_back(r, layer_wise=False)
+                load.wait()
+                l3 = load.l3_pages  # what the prefetch delivered, not what the store reported at match
             have = len(r.device_indices)
             seq = np.concatenate([req.tokens, req.output]) if len(req.output) else req.tokens
             n = len(seq) // ps - have
@@ -168,12 +171,14 @@ class GrpcTarget(Target):
         m = c.match(req.tokens)
         ps = m.page_size
         dev = m.device_indices
+        l3 = 0  # served from L3: the node's count of what the prefetch delivered and it loaded back
         committed = 0
         try:
             if m.l2_pages + m.l3_pages:
                 for p in c.prefetch(m.request_id):
                     if p.done:
                         dev = p.device_indices
+                        l3 = p.loaded_l3_pages
             have = len(dev)
             seq = np.concatenate([req.tokens, req.output]) if len(req.output) else req.tokens
             need = len(seq) // ps - have
@@ -186,7 +191,7 @@ class GrpcTarget(Target):
                     self.commit_skipped += 1  # e.g. RESOURCE_EXHAUSTED: everything locked by others
         finally:
             c.release(m.request_id)
-        return Outcome(m.l1_pages * ps, m.l2_pages * ps, m.l3_pages * ps, have * ps, committed,
+        return Outcome(m.l1_pages * ps, m.l2_pages * ps, l3 * ps, have * ps, committed,
                        time.perf_counter() - t0)
 
     def settle(self) -> bool:

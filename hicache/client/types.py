@@ -168,7 +168,7 @@ class Stats:
     lookup_tokens: int  # tokens of the full pages looked up
     hit_tokens_l1: int  # tokens found on L1
     hit_tokens_l2: int  # tokens continuing them on L2
-    hit_tokens_l3: int  # tokens continuing those on L3
+    hit_tokens_l3: int  # tokens continuing those on L3 and served from it (prefetched and loaded back)
     open_requests: int  # requests opened by Match and not released yet
     event_sequence: int  # sequence number of the last event emitted
     storage_pages_written: int  # pages the L3 store took (0 without a store)

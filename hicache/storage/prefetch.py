@@ -47,6 +47,9 @@ class PrefetchTask:
         self.keys = list(keys)
         self.host_pages = np.asarray(host_pages, dtype=np.int64)
         self.completed = 0  # leading pages verified and written into host_pages (worker-owned until done)
+        # the worker stopped because the store did not return page ``completed`` (absent, damaged, foreign,
+        # the store failing), not because it was stopped (worker-owned until done)
+        self.missed = False
         self.error: BaseException | None = None  # what a backend raised, if it broke its contract
         self.created_at = time.monotonic()
         self.finished_at: float | None = None
@@ -98,6 +101,7 @@ class PrefetchTask:
                     self._observe(time.perf_counter() - t0)
                 self.completed = lo + max(0, min(n, hi - lo))
                 if n < hi - lo:
+                    self.missed = True
                     break
         finally:
             self.finished_at = time.monotonic()
