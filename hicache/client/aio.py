@@ -149,22 +149,13 @@ class AsyncHiCacheClient:
 
     async def _abandon(self, req: pb.MatchRequest) -> None:
         """As :meth:`HiCacheClient._abandon <hicache.client.HiCacheClient._abandon>`: best effort, release
-        ``req.request_id``; on NOT_FOUND (not open yet, or never) send the same Match again, which the node
-        answers once the first one has opened the id (or opens it itself), and release the id then."""
+        ``req.request_id`` (the node waits for a Match still opening it, then releases what it opened)."""
         rid = req.request_id
         try:
-            try:
-                await self.release(rid, timeout_s=ABANDON_RELEASE_TIMEOUT_S)
-                log.debug("match %s: released the request its lost reply named", rid)
-                return
-            except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
-            await self._call(self.stub.Match, req, None, idempotent=True)
             await self.release(rid, timeout_s=ABANDON_RELEASE_TIMEOUT_S)
-            log.debug("match %s: released the request, once its Match had opened it", rid)
-        except Exception as e:  # best effort: the node's idle expiry closes it otherwise
-            log.debug("match %s: could not release the request it may have opened: %s", rid, e)
+            log.debug("match %s: released the request its lost reply named", rid)
+        except Exception as e:  # NOT_FOUND: the Match opened nothing; otherwise the node's idle expiry closes it
+            log.debug("match %s: no request released: %s", rid, e)
 
     async def __aenter__(self) -> AsyncHiCacheClient:
         return self

@@ -171,24 +171,15 @@ class HiCacheClient:
 
     def _abandon(self, req: pb.MatchRequest) -> None:
         """Best effort: release ``req.request_id``, an id this client made up for a Match whose reply it
-        never got. NOT_FOUND means the id is not open: the Match never opened it, or it is still opening
-        it (an L3 lookup, a load); then the same Match is sent again, which the node answers from the
-        request once the first one has opened it (or, if that one failed, opens the id itself), and the
-        id is released. Errors are logged at debug level, never raised."""
+        never got. A Match still opening the id on the node (an L3 lookup, a load) is waited for there, and
+        what it opened is released; NOT_FOUND means it opened nothing. Errors are logged at debug level,
+        never raised (the node's idle expiry closes what a failed release leaves)."""
         rid = req.request_id
         try:
-            try:
-                self.release(rid, timeout_s=ABANDON_RELEASE_TIMEOUT_S)
-                log.debug("match %s: released the request its lost reply named", rid)
-                return
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
-            self._call(self.stub.Match, req, None, idempotent=True)
             self.release(rid, timeout_s=ABANDON_RELEASE_TIMEOUT_S)
-            log.debug("match %s: released the request, once its Match had opened it", rid)
-        except Exception as e:  # best effort: the node's idle expiry closes it otherwise
-            log.debug("match %s: could not release the request it may have opened: %s", rid, e)
+            log.debug("match %s: released the request its lost reply named", rid)
+        except Exception as e:
+            log.debug("match %s: no request released: %s", rid, e)
         finally:
             with self._abandoning_lock:
                 self._abandoning.discard(threading.current_thread())

@@ -101,6 +101,19 @@ class RequestTable:
         del self._entries[request_id]
         return e
 
+    def pending(self, request_id: str) -> Entry | None:
+        """The entry of ``request_id`` while its Match is still opening it (``request`` None); else ``None``."""
+        e = self._entries.get(request_id)
+        return e if e is not None and e.request is None else None
+
+    def take_entry(self, entry: Entry) -> bool:
+        """Remove ``entry`` if it is still the open entry of its id (not dropped, nor released and its id
+        reused since); True when removed."""
+        if self._entries.get(entry.request_id) is not entry or entry.request is None:
+            return False
+        del self._entries[entry.request_id]
+        return True
+
     def expired(self, now: float | None = None) -> list[Entry]:
         """Remove and return the entries idle for longer than the TTL (their requests are still open)."""
         now = time.monotonic() if now is None else now

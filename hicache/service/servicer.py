@@ -12,9 +12,11 @@ into ``hicache_rpc_seconds`` (:mod:`.rpc`).
 Deadlines: gRPC cancels a handler whose deadline passed; Prefetch cuts its wait for the L3 run to the
 time remaining, while ReadPages and WritePages wait as the prefetch policy says. A Match cancelled while
 its worker still runs keeps its id: the request opens when the worker finishes and is released by the
-client's Release or by idle expiry. A Match without a request_id cancelled at any point releases what it
-opened (only its reply could name the id the node made up). A reply lost in transit after the handler
-returned is not seen here: such a request waits for idle expiry (name your ids to retry). A Match that
+client's Release (a Release that comes while the Match is still opening the id waits for it, then
+releases what it opened) or by idle expiry. A Match without a request_id cancelled at any point releases
+what it opened (only its reply could name the id the node made up). A reply lost in transit after the
+handler returned is not seen here: such a request waits for the client's Release (the Python clients name
+every id they open and release it when a reply is lost) or idle expiry. A Match that
 repeats exactly the one that opened its id, before any other call on the id, gets that Match's reply
 again instead of ALREADY_EXISTS: clients resend a Match whose reply was lost (:mod:`.requests`).
 """
@@ -54,6 +56,7 @@ from hicache.service.validation import (
     page_count,
     page_indices,
     precondition,
+    shown,
     token_bytes,
 )
 
@@ -442,11 +445,26 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     @unary
     async def Release(self, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
+        pending = self.table.pending(request.request_id)
+        if pending is not None:
+            # Its Match is still opening it (an L3 lookup, a load): most often a client whose Match reply was
+            # lost. Release it as soon as it is open -- shielded, so a Release cut short still does.
+            await asyncio.shield(self._release_when_open(pending))
+            return pb.ReleaseResponse()
         entry = self.table.pop(request.request_id)
         # shielded: the id has left the table, so a release cut short by the caller's deadline or
         # cancellation would leave the request's locks and pins for good
         await asyncio.shield(self._release(entry))
         return pb.ReleaseResponse()
+
+    async def _release_when_open(self, entry: Entry) -> None:
+        """Wait for the Match opening ``entry`` to end, then release what it opened (NOT_FOUND: it failed,
+        or another call released the id meanwhile)."""
+        await entry.settled.wait()
+        if not self.table.take_entry(entry):
+            raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                               f"request_id {shown(entry.request_id)}: its Match opened nothing")
+        await self._release(entry)
 
     async def _release(self, entry: Entry) -> None:
         async with entry.lock:

@@ -227,8 +227,8 @@ class SlowLookups(MemoryBackend):
 
 def test_a_match_whose_deadline_passes_during_its_l3_lookup_leaves_no_request_open() -> None:
     """The deadline passes while the node's worker still looks the prompt up on L3: the request opens only
-    after the call ended, so a Release at once finds nothing; the client waits for the Match (an identical
-    repeat, which the node answers once the first one has opened the id) and releases it then."""
+    after the call ended. The client's Release at once finds the id still opening; the node waits for that
+    Match and releases what it opened."""
     cfg = config_from_dict({
         "layout": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "page_size": 4},
         "cache": {"l1_tokens": 256, "l2_tokens": 256},
@@ -249,6 +249,53 @@ def test_a_match_whose_deadline_passes_during_its_l3_lookup_leaves_no_request_op
                     await asyncio.sleep(0.05)
                 assert (await c.stats()).open_requests == 0
         finally:
+            await node.stop(0.1)
+
+    asyncio.run(main())
+
+
+def test_a_release_while_the_match_still_opens_the_id_releases_it_once_open() -> None:
+    """Straight on the node's API: a Release arriving while the Match that names the id is still in its L3
+    lookup waits for it and releases the request (no NOT_FOUND, nothing left open); one whose own deadline
+    passes first still releases it once open."""
+    cfg = config_from_dict({
+        "layout": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "page_size": 4},
+        "cache": {"l1_tokens": 256, "l2_tokens": 256},
+        "serve": {"port": 0, "metrics_port": 0, "shared_pool": False, "shutdown_grace_s": 1.0},
+    })
+
+    async def main() -> None:
+        from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
+        from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
+
+        ns = cfg.namespace()
+        node = NodeServer(cfg, storage=SlowLookups("memory://", StorageContext(ns.digest, ns.layout)))
+        await node.start()
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{node.port}")
+        stub = pb_grpc.HiCacheStub(ch)
+        try:
+            toks = np.arange(1, 17, dtype="<u4").tobytes()
+            for rid, release_s in (("waits", 5.0), ("cut-short", 0.2)):
+                match = asyncio.ensure_future(stub.Match(pb.MatchRequest(request_id=rid, tokens=toks), timeout=5))
+                await asyncio.sleep(0.2)  # the Match is in its L3 lookup
+                assert node.servicer is not None and node.servicer.table.pending(rid) is not None
+                t0 = time.monotonic()
+                if release_s > 1:
+                    await stub.Release(pb.ReleaseRequest(request_id=rid), timeout=release_s)
+                    assert time.monotonic() - t0 >= LOOKUP_S / 2  # it waited for the Match
+                    assert len(node.servicer.table) == 0
+                else:
+                    with pytest.raises(grpc.aio.AioRpcError) as ei:
+                        await stub.Release(pb.ReleaseRequest(request_id=rid), timeout=release_s)
+                    assert ei.value.code() == C.DEADLINE_EXCEEDED
+                assert (await match).request_id == rid  # the Match itself still answers
+                end = time.monotonic() + 2
+                while len(node.servicer.table) and time.monotonic() < end:
+                    await asyncio.sleep(0.02)
+                assert len(node.servicer.table) == 0
+                assert node.cache is not None and node.cache.stats()["l1_pages_locked"] == 0
+        finally:
+            await ch.close()
             await node.stop(0.1)
 
     asyncio.run(main())
