@@ -269,6 +269,15 @@ class Router:
         self._forget_if_down(r.node)
         return r.node
 
+    def withdraw(self, route_id: str) -> bool:
+        """Take back a route whose answer never reached its client (decided after the call's deadline): it
+        stops counting in flight and as routed to its node, and no breaker hears of it. False: unknown id."""
+        r = self.inflight.finish(route_id)
+        if r is None:
+            return False
+        self.nodes[r.node].routed -= 1
+        return True
+
     # ------------------------------------------------------------------ views
     def views(self) -> list[NodeView]:
         """Every node's state, in the order the nodes were added (configuration order)."""

@@ -191,8 +191,8 @@ class RouterServicer(rpb_grpc.RouterServicer):
             # the route must not count in flight until route_ttl_s. (A reply lost in transit, or a call the
             # client cancels while it is decided, still does: the server is not told of either.)
             if left is not None and left <= 0:
-                r.inflight.finish(d.route_id)
-                m.unanswered.inc()
+                if r.withdraw(d.route_id):
+                    m.unanswered.inc()
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed while routing")
         if not request.peek:
             m.routes.labels(d.node, d.reason).inc()
