@@ -253,7 +253,12 @@ class RouterTarget(Target):
     def _node(self, address: str) -> GrpcTarget:
         t = self.nodes.get(address)
         if t is None:
-            t = self.nodes[address] = GrpcTarget(f"grpc://{address}", self.timeout_s)
+            try:
+                t = GrpcTarget(f"grpc://{address}", self.timeout_s)
+            except BenchInputError:
+                raise BenchInputError(f"--target {self.url}: the router sent a request to node {address}, where "
+                                      "no node answers") from None
+            self.nodes[address] = t
         return t
 
     def serve(self, req: TraceRequest) -> Outcome:

@@ -83,3 +83,29 @@ def test_clear_through_the_router_empties_every_node(cluster: str) -> None:
         target.clear()
         nodes = target.stats()["nodes"]
         assert len(nodes) == 2 and all(s["l1_pages_cached"] == 0 for s in nodes.values())
+
+
+def test_a_router_whose_node_is_down_is_named_with_that_node(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The router (approximate index: it dials no node) sends the bench to a node where nothing listens:
+    one line naming the router target and that node's address, exit code 2."""
+    import socket
+
+    from hicache.cli import main
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = s.getsockname()[1]
+    s.close()
+    path = tmp_path / "node.yaml"
+    path.write_text(yaml.safe_dump(CFG))
+    router, rport = start_cli(["route", "--config", str(path), "--port", "0", "--index", "approximate",
+                               "--node", f"gone=127.0.0.1:{dead}"], ROUTE_READY)
+    try:
+        assert main(["bench", "--target", f"grpc://127.0.0.1:{rport}", "--requests", "5", "--capacities", "",
+                     "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        assert f"grpc://127.0.0.1:{rport}" in err[0] and f"127.0.0.1:{dead}" in err[0], err
+    finally:
+        stop([router])
