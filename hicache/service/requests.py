@@ -115,16 +115,19 @@ class RequestTable:
         return True
 
     def expired(self, now: float | None = None) -> list[Entry]:
-        """Remove and return the entries idle for longer than the TTL (their requests are still open)."""
+        """Remove and return the entries idle for longer than the TTL (their requests are still open). An
+        entry whose Match has not settled yet is not idle (its worker may have opened the request already)."""
         now = time.monotonic() if now is None else now
         old = [e for e in self._entries.values()
-               if e.request is not None and not e.lock.locked() and now - e.last_used > self.idle_ttl_s]
+               if e.request is not None and e.settled.is_set() and not e.lock.locked()
+               and now - e.last_used > self.idle_ttl_s]
         for e in old:
             del self._entries[e.request_id]
         return old
 
     def drain(self) -> list[Entry]:
-        """Remove and return every open entry (shutdown)."""
-        out = [e for e in self._entries.values() if e.request is not None]
+        """Remove and return every entry (shutdown): the open ones, and those whose Match is still opening
+        them (``request`` None until it has; ``settled`` once it is over)."""
+        out = list(self._entries.values())
         self._entries.clear()
         return out

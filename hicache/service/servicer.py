@@ -13,8 +13,10 @@ Deadlines: gRPC cancels a handler whose deadline passed; Prefetch cuts its wait 
 time remaining, while ReadPages and WritePages wait as the prefetch policy says. A Match cancelled while
 its worker still runs keeps its id: the request opens when the worker finishes and is released by the
 client's Release (a Release that comes while the Match is still opening the id waits for it, then
-releases what it opened) or by idle expiry. A Match without a request_id cancelled at any point releases
-what it opened (only its reply could name the id the node made up). A reply lost in transit after the
+releases what it opened; while it waits it takes no room under ``serve.max_concurrency``) or by idle
+expiry, counted from when the request opened. At shutdown (:meth:`HiCacheServicer.release_all`) such a
+Match is waited for and what it opened is released. A Match without a request_id cancelled at any point
+releases what it opened (only its reply could name the id the node made up). A reply lost in transit after the
 handler returned is not seen here: such a request waits for the client's Release (the Python clients name
 every id they open and release it when a reply is lost) or idle expiry. A Match that
 repeats exactly the one that opened its id, before any other call on the id, gets that Match's reply
@@ -30,7 +32,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
@@ -122,7 +124,9 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         self.shared = shared
         self.resolver = NamespaceResolver(cache.ns)
         self.table = RequestTable(request_ttl_s)
-        self._orphans: set[asyncio.Task[None]] = set()  # releases of requests whose Match reply was lost
+        # releases running on their own: of requests whose Match reply was lost (_orphaned), and those of
+        # Releases waiting for the Match that opens their id (Release)
+        self._background: set[asyncio.Task[Any]] = set()
         self.page_size = cache.page_size
         self.num_pages = cache.device_pool.num_pages
         self.max_tokens = serve.max_request_tokens
@@ -188,13 +192,27 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             self.metrics.expired_requests.inc(len(old))
         return len(old)
 
-    async def release_all(self) -> int:
+    async def release_all(self, wait_s: float | None = None) -> int:
+        """Shutdown: release every open request; returns how many. A Match still opening its id (its call
+        cancelled, its worker in an L3 lookup or a load) is waited for, up to ``wait_s`` (default
+        ``serve.shutdown_grace_s``), and what it opened is released too; so are the releases still running
+        on their own (a Release waiting for such a Match, a lost reply's request): once this returns, nothing
+        is left open and no release is under way, unless a Match outlived the wait."""
+        end = time.monotonic() + (self.serve.shutdown_grace_s if wait_s is None else wait_s)
         entries = self.table.drain()
+        opening = [asyncio.ensure_future(e.settled.wait()) for e in entries if e.request is None]
+        if opening:
+            await asyncio.wait(opening, timeout=max(0.0, end - time.monotonic()))
+            for w in opening:
+                w.cancel()
+        n = 0
         for e in entries:
-            assert e.request is not None
-            if not e.request.released:
+            if e.request is not None and not e.request.released:
                 await blocking(self.cache.release, e.request)
-        return len(entries)
+                n += 1
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=max(0.0, end - time.monotonic()))
+        return n
 
     # ------------------------------------------------------------------ Match
     @unary
@@ -216,9 +234,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         entry = self.table.take_open(rid)
         if entry is None:
             return
-        task = asyncio.ensure_future(self._release(entry))
-        self._orphans.add(task)
-        task.add_done_callback(self._orphans.discard)
+        self._in_background(self._release(entry))
 
     async def MatchStream(self, request_iterator: AsyncIterator[pb.MatchRequest],
                           context: Ctx) -> AsyncIterator[pb.MatchResponse]:
@@ -293,7 +309,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             self.table.drop(rid)
             raise
         finally:
-            entry.settled.set()  # wakes a repeat of this Match waiting for it (see _repeat)
+            entry.settled.set()  # wakes a repeat of this Match (see _repeat), or a Release, waiting for it
+        entry.last_used = time.monotonic()  # idle from now on, however long the Match took to open it
         loading = [h for h in req.pending if not h.done()]
         if loading:  # L1 pages another request is still loading from L2: reply once they hold their data
             try:
@@ -302,6 +319,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 if not request.request_id:  # an id made up here: no reply will name it
                     self._orphaned(rid)
                 raise
+            entry.last_used = time.monotonic()
         return self._match_response(req, rid, request.return_keys)
 
     async def _repeat(self, request: pb.MatchRequest) -> pb.MatchResponse | None:
@@ -448,8 +466,19 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         pending = self.table.pending(request.request_id)
         if pending is not None:
             # Its Match is still opening it (an L3 lookup, a load): most often a client whose Match reply was
-            # lost. Release it as soon as it is open -- shielded, so a Release cut short still does.
-            await asyncio.shield(self._release_when_open(pending))
+            # lost. Release it as soon as it is open -- in a task of its own, shielded, so a Release cut short
+            # still does. Waiting here takes no room under serve.max_concurrency: the Match it waits for
+            # holds its own.
+            task = self._in_background(self._release_when_open(pending))
+            self.inflight -= 1
+            try:
+                released = await asyncio.shield(task)
+            finally:
+                self.inflight += 1
+            if not released:
+                raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                                   f"request_id {shown(request.request_id)}: its Match opened nothing, or "
+                                   "another call released it meanwhile")
             return pb.ReleaseResponse()
         entry = self.table.pop(request.request_id)
         # shielded: the id has left the table, so a release cut short by the caller's deadline or
@@ -457,14 +486,23 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         await asyncio.shield(self._release(entry))
         return pb.ReleaseResponse()
 
-    async def _release_when_open(self, entry: Entry) -> None:
-        """Wait for the Match opening ``entry`` to end, then release what it opened (NOT_FOUND: it failed,
-        or another call released the id meanwhile)."""
+    async def _release_when_open(self, entry: Entry) -> bool:
+        """Wait for the Match opening ``entry`` to end, then release what it opened; False when there is
+        nothing to release (the Match failed, or another call -- a Release, or shutdown -- took the id
+        meanwhile). Never raises for that: when its Release was cut short nobody would retrieve the error."""
         await entry.settled.wait()
         if not self.table.take_entry(entry):
-            raise ServiceError(grpc.StatusCode.NOT_FOUND,
-                               f"request_id {shown(entry.request_id)}: its Match opened nothing")
+            return False
         await self._release(entry)
+        return True
+
+    def _in_background(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run ``coro`` in a task that outlives the call that started it, until :meth:`release_all` waits
+        for it at shutdown."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def _release(self, entry: Entry) -> None:
         async with entry.lock:
