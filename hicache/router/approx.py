@@ -7,7 +7,17 @@ a node, it assumes the node now holds the request's full prompt pages on L1, and
 
 * ``ttl_s`` passes without any request touching them again (the node has likely evicted them), or
 * the node's predicted pages exceed ``capacity_pages`` (least recently touched first), or
-* the node's circuit breaker opens (the node may have restarted with an empty cache).
+* the node's circuit breaker opens, or reopens from half-open (the node may have restarted with an empty
+  cache), or
+* the route is withdrawn (:meth:`hicache.router.core.Router.withdraw`: decided after the client's deadline,
+  so the request never reached the node): the pages that route newly predicted are forgotten, if it is the
+  latest route (the servicer withdraws right after deciding). An earlier route's pages stay, since later
+  routes may have predicted pages below them; the pages a withdrawn route merely touched again keep their
+  new touch time, and what its capacity eviction forgot stays forgotten (an under-prediction).
+
+A request that fails on its node (Complete with an error code) keeps its prediction until one of the
+above: the router keeps no route's pages once it has decided the next one. Such a prefix draws the next
+request that shares it to that node once more, which then does hold it.
 
 Routing on a prediction can be wrong both ways: a page the node evicted early is a miss the router did not
 foresee, a page it still holds after the TTL is a hit the router does not count on. Neither changes what
@@ -16,7 +26,8 @@ knows; this one guesses, without any traffic between the router and the nodes.
 
 Prefix-closed by construction: a request's keys are touched leaf first, root last, so a page is always
 touched no earlier than every page below it, and the least recently touched page of a node is never the
-parent of one it keeps. Eviction and expiry therefore only ever cut a path's tail.
+parent of one it keeps. Eviction and expiry therefore only ever cut a path's tail; so does a withdrawal,
+since nothing is predicted below pages that were not predicted before the latest route.
 
 Single-threaded by contract, like :class:`~hicache.router.index.KVIndex`, which it writes into.
 """
@@ -47,11 +58,15 @@ class ApproxIndex:
         self.expired = 0  # pages forgotten because their TTL passed
         self.evicted = 0  # pages forgotten because the node's predicted pages hit capacity_pages
         self.dropped = 0  # pages forgotten because the node was dropped
+        self.withdrawn = 0  # pages forgotten because the route that predicted them was withdrawn
 
-    def record(self, node: str, keys: Sequence[bytes]) -> None:
-        """``node`` was sent a request whose full pages have ``keys`` (root first): predict it holds them."""
+    def record(self, node: str, keys: Sequence[bytes]) -> list[bytes]:
+        """``node`` was sent a request whose full pages have ``keys`` (root first): predict it holds them.
+        Returns the keys this predicted anew and still predicts (a tail of ``keys``: pass them to
+        :meth:`forget` to take this back before anything else is recorded)."""
         if not keys:
-            return
+            return []
+        new: list[bytes] = []
         now = self.clock()
         lru = self._lru.get(node)
         if lru is None:
@@ -62,11 +77,26 @@ class ApproxIndex:
                 lru.move_to_end(key)
             else:
                 self.index.set_page(node, st, key, L1)
+                new.append(key)
             lru[key] = now
         while len(lru) > self.capacity_pages:
             key, _ = lru.popitem(last=False)
             self.index.set_page(node, st, key, 0)
             self.evicted += 1
+        return [k for k in new if k in lru]
+
+    def forget(self, node: str, keys: Sequence[bytes]) -> None:
+        """Take back what the latest :meth:`record` for ``node`` predicted anew (the keys it returned): those
+        are the tail of a prefix-closed prediction with nothing predicted below them, so cutting them keeps
+        it prefix-closed. Keys no longer predicted are skipped."""
+        lru = self._lru.get(node)
+        if not lru:
+            return
+        st = self.index.feed(node)
+        for key in keys:
+            if lru.pop(key, None) is not None:
+                self.index.set_page(node, st, key, 0)
+                self.withdrawn += 1
 
     def expire(self) -> None:
         """Forget every node's pages not touched for ``ttl_s``."""

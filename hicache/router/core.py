@@ -119,6 +119,8 @@ class Router:
         self.page_size = self.ns.page_size
         self.index = KVIndex(self.page_size, rconfig.verify_keys)
         self.approx: ApproxIndex | None = None  # set with router.index: approximate
+        # approximate: the latest route's id, node and the pages it newly predicted (what withdraw takes back)
+        self._latest: tuple[str, str, list[bytes]] = ("", "", [])
         if rconfig.index == "approximate":
             check_approx_capacity(rconfig, self.page_size)
             self.approx = ApproxIndex(self.index, rconfig.approx_ttl_s,
@@ -198,14 +200,17 @@ class Router:
     def record(self, node: str, code: grpc.StatusCode, error: str = "") -> None:
         """Outcome of a call on ``node`` (router's own or a client's): feeds its breaker."""
         st = self.nodes[node]
+        trips = st.breaker.trips
         st.breaker.record(code)
         if error:
             st.last_error = error
-        self._forget_if_down(node)
+        self._forget_if_opened(node, trips)
 
-    def _forget_if_down(self, node: str) -> None:
-        """Approximate index: a node whose breaker opened may come back empty; stop predicting its pages."""
-        if self.approx is not None and not self.nodes[node].breaker.allow():
+    def _forget_if_opened(self, node: str, trips: int) -> None:
+        """Approximate index: a node whose breaker opened (or reopened from half-open) since it had tripped
+        ``trips`` times may come back empty; stop predicting its pages. Told by the trip count, not by the
+        state: a cooldown shorter than the time since the trip already reads half-open."""
+        if self.approx is not None and self.nodes[node].breaker.trips != trips:
             self.approx.drop(node)
 
     # ------------------------------------------------------------------ decisions
@@ -254,7 +259,7 @@ class Router:
             rid = self.inflight.start(chosen.node)
             st.routed += 1
             if self.approx is not None:
-                self.approx.record(chosen.node, keys)
+                self._latest = (rid, chosen.node, self.approx.record(chosen.node, keys))
         return RouteDecision(rid, chosen.node, st.spec.address, chosen.l1_pages, chosen.l2_pages, len(keys),
                              pol.name, d.reason, scored)
 
@@ -265,22 +270,33 @@ class Router:
         r = self.inflight.finish(route_id)
         if r is None:
             return None
-        self.nodes[r.node].breaker.record(code, started=r.started)
-        self._forget_if_down(r.node)
+        breaker = self.nodes[r.node].breaker
+        trips = breaker.trips
+        breaker.record(code, started=r.started)
+        self._forget_if_opened(r.node, trips)
         return r.node
 
     def withdraw(self, route_id: str) -> bool:
         """Take back a route whose answer never reached its client (decided after the call's deadline): it
-        stops counting in flight and as routed to its node, and no breaker hears of it. False: unknown id."""
+        stops counting in flight and as routed to its node, and no breaker hears of it. With the approximate
+        index, the pages it newly predicted are forgotten when it is the latest route (withdraw right after
+        deciding); an earlier route's stay predicted. False: unknown id."""
         r = self.inflight.finish(route_id)
         if r is None:
             return False
         self.nodes[r.node].routed -= 1
+        rid, node, new = self._latest
+        if rid == route_id and self.approx is not None:
+            self._latest = ("", "", [])
+            self.approx.forget(node, new)
         return True
 
     # ------------------------------------------------------------------ views
     def views(self) -> list[NodeView]:
-        """Every node's state, in the order the nodes were added (configuration order)."""
+        """Every node's state, in the order the nodes were added (configuration order); predictions past
+        their TTL are forgotten first, so an idle router does not report them."""
+        if self.approx is not None:
+            self.approx.expire()
         out = []
         for name, st in self.nodes.items():
             feed = self.index.feed(name)

@@ -40,6 +40,7 @@ log = logging.getLogger("hicache.router")
 SYNC_WAIT_S = 1.0  # a scrape waits this long at most for its bookkeeping on the router's event loop
 SERVICE_NAME = rpb.DESCRIPTOR.services_by_name["Router"].full_name
 Ctx: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+APPROX_REASONS = ("ttl", "capacity", "node_down", "withdrawn")  # why predicted pages are forgotten (the label)
 
 
 class RouterMetrics:
@@ -80,8 +81,11 @@ class RouterMetrics:
         self.resyncs = Counter("hicache_router_resyncs", "Snapshots applied after the first, by node", ["node"],
                                registry=r)
         self.approx_forgotten = Counter("hicache_router_approx_forgotten_pages", "Approximate index: predicted "
-                                        "pages forgotten, by why (ttl, capacity, node_down)", ["reason"],
-                                        registry=r)
+                                        "pages forgotten, by why (ttl, capacity, node_down, withdrawn)",
+                                        ["reason"], registry=r)
+        if router.approx is not None:  # every reason's series from the start, so the first increase() counts
+            for reason in APPROX_REASONS:
+                self.approx_forgotten.labels(reason)
         for name in router.nodes:
             self._per_node(router, name)
 
@@ -132,7 +136,8 @@ class RouterMetrics:
             ax = router.approx
             if ax is not None:
                 ax.expire()
-                for reason, total in (("ttl", ax.expired), ("capacity", ax.evicted), ("node_down", ax.dropped)):
+                totals = (ax.expired, ax.evicted, ax.dropped, ax.withdrawn)
+                for reason, total in zip(APPROX_REASONS, totals, strict=True):
                     self._add(f"approx/{reason}", total, self.approx_forgotten.labels(reason))
             for name in router.nodes:
                 self._add(f"resyncs/{name}", max(0, router.index.feed(name).snapshots - 1),

@@ -499,6 +499,15 @@ def test_router_config_loads_with_the_router_cli(rendered: dict[str, Rendered], 
         assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["tls"] == "/etc/hicache/tls"
 
 
+def test_router_approximate_index_reaches_the_router(tmp_path: Any) -> None:
+    """router.config.index and its settings land in router.yaml and load as `hicache route` loads them; a
+    capacity of exactly one page is accepted (the router refuses less, and so does the render)."""
+    r = render({"config": SMALL, "router": {"nodes": ["a=10.1.0.1:50051"], "config": {
+        "index": "approximate", "approx_ttl_s": 30.0, "approx_capacity_tokens": 16}}})
+    _, rc = router_config(r, tmp_path)
+    assert (rc.index, rc.approx_ttl_s, rc.approx_capacity_tokens) == ("approximate", 30.0, 16)
+
+
 def test_router_probes_use_the_router_health_service(rendered: dict[str, Rendered]) -> None:
     from hicache.router.server import SERVICE_NAME
 
@@ -594,6 +603,7 @@ CROSS_FIELD = [
     ({"config": {"model": {"tp_rank": 2, "tp_size": 2}}}, "tp_rank"),
     ({"metrics": {"port": 50051}}, "must differ"),
     ({"node": {"terminationGracePeriodSeconds": 10}}, "terminationGracePeriodSeconds"),
+    ({"router": {"config": {"index": "approximate", "approx_capacity_tokens": 63}}}, "holds no page"),
 ]
 
 

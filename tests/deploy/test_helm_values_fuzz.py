@@ -101,6 +101,7 @@ RULES = {
     "scrape_timeout": "metrics.serviceMonitor.scrapeTimeout (",
     "router_metrics_port": "router.metrics.port and router.port must differ",
     "router_breaker": "router.config.breaker_max_cooldown_s (",
+    "router_approx_capacity": "router.config.approx_capacity_tokens (",
     "router_nodes": "names a node already listed",
 }
 
@@ -232,6 +233,9 @@ def broken_rules(values: dict[str, Any]) -> set[str]:
         cooldown = get(values, "router.config.breaker_cooldown_s", 5.0)  # RouterConfig's defaults
         if get(values, "router.config.breaker_max_cooldown_s", 60.0) < cooldown:
             out.add("router_breaker")
+        if (get(values, "router.config.index", "events") == "approximate"  # check_approx_capacity
+                and get(values, "router.config.approx_capacity_tokens", 1 << 20) < lay["page_size"]):
+            out.add("router_approx_capacity")
         from hicache.router.config import check_nodes, parse_node
 
         try:

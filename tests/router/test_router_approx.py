@@ -225,6 +225,8 @@ def test_approximate_router_over_real_nodes() -> None:
             assert "hicache_router_node_connected{" not in text  # no stream, so nothing to alert on
             assert 'hicache_router_breaker_open{node="n0"} 0.0' in text
             assert "hicache_router_index_keys " in text
+            for reason in ("ttl", "capacity", "node_down", "withdrawn"):  # every series there from the start
+                assert f'hicache_router_approx_forgotten_pages_total{{reason="{reason}"}} 0.0' in text
         finally:
             await rc.close()
             await router.stop()
@@ -266,3 +268,87 @@ def test_a_node_nobody_listens_on_still_takes_routes() -> None:
             await router.stop()
 
     asyncio.run(main())
+
+
+def test_list_nodes_drops_predictions_past_the_ttl_on_an_idle_router() -> None:
+    """ListNodes (Router.views) answers with what is predicted now: pages past the TTL are gone from its
+    figures even when no route came since to sweep them."""
+    clock = Clock()
+    r = approx_router(["a", "b"], clock, approx_ttl_s=30.0)
+    d = r.route(ask(1, 0))
+    assert {v.name: v.l1_pages for v in r.views()}[d.node] == DOC + 2
+    clock.t += 30.0  # exactly the TTL: the pages are as old as it, so they go
+    assert {v.name: v.l1_pages for v in r.views()} == {"a": 0, "b": 0}
+    assert len(r.index) == 0
+    assert r.approx is not None and r.approx.expired == DOC + 2
+
+
+def test_a_withdrawn_route_leaves_no_prediction() -> None:
+    """A route taken back (its answer never reached the client) never reached the node either: the pages it
+    newly predicted are forgotten, the pages earlier routes predicted stay, and the count says why."""
+    r = approx_router(["a", "b"])
+    first = r.route(ask(1, 0))
+    r.complete(first.route_id)
+    late = r.route(ask(1, 1, q_pages=3))  # the document is predicted already: only the question is new
+    assert late.node == first.node and late.l1_pages == DOC
+    assert r.withdraw(late.route_id)
+    assert r.approx is not None
+    r.approx.check()
+    assert r.approx.pages(first.node) == DOC + 2  # the first route's pages, not the withdrawn question's
+    assert r.route(ask(1, 1, q_pages=3), peek=True).l1_pages == DOC
+    assert r.approx.withdrawn == 3
+    # a prompt nobody predicted: everything it predicted goes, the index included
+    lone = r.route(ask(7, 0))
+    r.withdraw(lone.route_id)
+    assert r.route(ask(7, 0), peek=True).l1_pages == 0
+    assert r.approx.pages(lone.node) == (DOC + 2 if lone.node == first.node else 0)
+    r.approx.check()
+
+
+def test_an_earlier_route_withdrawn_keeps_its_pages() -> None:
+    """Only the latest route's pages can be taken back: a later route may have built on an earlier one's."""
+    r = approx_router(["a"])
+    early = r.route(ask(1, 0))
+    r.route(ask(1, 0, q_pages=4))  # extends the early route's question pages
+    assert r.withdraw(early.route_id)
+    assert r.approx is not None and r.approx.withdrawn == 0
+    assert r.route(ask(1, 0, q_pages=4), peek=True).l1_pages == DOC + 4
+    r.approx.check()
+
+
+def test_the_node_is_forgotten_whenever_its_breaker_opens() -> None:
+    """Predictions go when the breaker opens, however short its cooldown: a breaker already past it when the
+    router looks (half-open again, routable) still opened, and the node may have restarted empty."""
+    r = approx_router(["a"], breaker_failures=1, breaker_cooldown_s=0.5)
+    t = [0.0]
+
+    def ticking() -> float:  # each look at the breaker's clock takes a second: longer than its cooldown
+        t[0] += 1.0
+        return t[0]
+
+    r.nodes["a"].breaker._clock = ticking
+    d = r.route(ask(1, 0))
+    r.complete(d.route_id, grpc.StatusCode.UNAVAILABLE)
+    assert r.nodes["a"].breaker.trips == 1
+    assert r.approx is not None and r.approx.pages("a") == 0
+    assert r.route(ask(1, 1), peek=True).l1_pages == 0
+    e = r.route(ask(2, 0))  # half-open: routable on probation; its failure reopens the breaker
+    r.record("a", grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert r.nodes["a"].breaker.trips == 2
+    assert r.approx.pages("a") == 0
+    r.complete(e.route_id)
+
+
+def test_a_prompt_longer_than_the_capacity_keeps_its_first_pages() -> None:
+    """A prompt of more pages than a node may hold predicts its first pages (what the next request sharing
+    it reuses), not its last; other prompts' pages go first, one page of capacity still predicts a root."""
+    r = approx_router(["a"], approx_capacity_tokens=3 * PS)
+    r.route(ask(2, 0))
+    r.route(ask(1, 0))  # DOC + 2 = 8 pages into 3
+    assert r.approx is not None and r.approx.pages("a") == 3
+    assert r.route(ask(1, 1), peek=True).l1_pages == 3
+    assert r.route(ask(2, 0), peek=True).l1_pages == 0
+    r.approx.check()
+    one = approx_router(["a"], approx_capacity_tokens=PS)
+    one.route(ask(1, 0))
+    assert one.route(ask(1, 5), peek=True).l1_pages == 1

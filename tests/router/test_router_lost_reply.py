@@ -1,9 +1,11 @@
 """A Route whose reply never reaches the client (the client's deadline passed while the router was busy)
-does not count in flight until ``route_ttl_s``: the client cannot know its route id to Complete it."""
+does not count in flight until ``route_ttl_s``: the client cannot know its route id to Complete it. With the
+approximate index it predicts nothing either: the request never reached the node."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import grpc
@@ -51,6 +53,10 @@ def test_a_route_the_client_gave_up_on_leaves_no_load_behind() -> None:
             assert "hicache_router_routes_unanswered_total 0.0" not in text  # the first at least was decided
             assert 'hicache_router_routes_total{node="n0"' not in text
             assert router.router.nodes["n0"].breaker.state == "closed"  # the node is not to blame
+            assert len(router.router.index) == 0  # no prompt reached the node: no page is predicted there
+            assert router.router.route(tokens(0, 4).tobytes(), peek=True).l1_pages == 0
+            unanswered = float(re.search(r"^hicache_router_routes_unanswered_total (\S+)$", text, re.M)[1])  # type: ignore[index]
+            assert f'hicache_router_approx_forgotten_pages_total{{reason="withdrawn"}} {4.0 * unanswered}' in text
         finally:
             await router.stop(0.1)
 

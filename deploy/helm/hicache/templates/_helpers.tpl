@@ -322,6 +322,11 @@ gets up to as long again, then the writeback threads up to 10 s each to finish t
 {{- if lt (float64 $maxCooldown) (float64 $cooldown) }}
 {{- fail (printf "router.config.breaker_max_cooldown_s (%v) must be at least router.config.breaker_cooldown_s (%v): a node's breaker cooldown doubles from the one up to the other" $maxCooldown $cooldown) }}
 {{- end }}
+{{- /* hicache.router.config.check_approx_capacity: the approximate index predicts whole pages */}}
+{{- $approxTokens := ternary $rc.approx_capacity_tokens 1048576 (hasKey $rc "approx_capacity_tokens") }}
+{{- if and (eq (toString ($rc.index | default "events")) "approximate") (lt (int $approxTokens) (int ($layout.page_size | default 64))) }}
+{{- fail (printf "router.config.approx_capacity_tokens (%v) holds no page of config.layout.page_size (%v) tokens: the approximate index predicts whole pages" $approxTokens ($layout.page_size | default 64)) }}
+{{- end }}
 {{- /* hicache.router.config.check_nodes: each node once, by name and by address */}}
 {{- $names := dict }}
 {{- $addresses := dict }}
