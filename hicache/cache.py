@@ -36,6 +36,7 @@ import numpy as np
 from hicache.cache_types import CacheFullError, CommitResult, LoadResult, MultiHandle, PinInfo, Request
 from hicache.config import ConfigError, HiCacheConfig
 from hicache.keys import Namespace, page_keys_from_bytes, tokens_to_bytes
+from hicache.l2_tally import L2Tally
 from hicache.l3_tally import L3Tally
 from hicache.metrics import Metrics
 from hicache.pool import DevicePool, HostMemoryError, HostPool, default_block_pages, format_bytes
@@ -341,7 +342,12 @@ class HiCache:
         hashing the page keys when the store is not asked (``Request.keys`` stays empty; :meth:`commit`
         computes them when it needs them) -- the cheap path for lookups that only want hit lengths.
         ``count=False`` leaves the lookup out of the hit-rate and match-latency metrics (a peer writing
-        pages in, not a prompt looked up).
+        pages in, not a prompt looked up; a peek, :meth:`peek`).
+
+        Counted: the lookup, and the L1 prefix as an L1 hit (it is locked for the request and handed
+        over now). The L2 run is counted when the request's load back lands it (a hit) or when the
+        request commits its own pages or is released first (``hicache_l2_unserved_tokens_total``); the
+        L3 run once its prefetch has been loaded back, or at release (:mod:`hicache.l3_tally`).
         """
         t0 = time.perf_counter()
         ns = ns or self.ns
@@ -376,11 +382,23 @@ class HiCache:
             mt.lookups.inc()
             mt.lookup_tokens.inc(req.num_pages * self.page_size)
             mt.hit["l1"].inc(req.l1_pages * self.page_size)
-            mt.hit["l2"].inc(req.l2_pages * self.page_size)
+            if req.l2_pages:  # served or not is known at its load back (or commit, release): _count_l2
+                req.l2 = L2Tally(req.l1_pages, req.l2_pages)
             if req.l3_pages:  # served or not is known later: hit{l3} counts it then (_count_l3)
                 mt.l3_matched_tokens.inc(req.l3_pages * self.page_size)
                 req.l3 = L3Tally(req.l1_pages + req.l2_pages, req.l3_pages)
             mt.match_seconds.observe(time.perf_counter() - t0)
+        return req
+
+    def peek(self, tokens: Sequence[int] | np.ndarray, ns: Namespace | None = None, *, l3: bool = True,
+             keys: bool = True) -> Request:
+        """How much of ``tokens`` is cached now, per tier, without opening a request: :meth:`match` and
+        :meth:`release` at once (a router's or scheduler's query). Nothing is served, so none of it is
+        counted as a lookup or a hit (nor on L2 or L3): it counts in ``hicache_peeks_total`` only. The
+        returned request is released (its hit lengths and keys are for reading)."""
+        req = self.match(tokens, ns, l3=l3, keys=keys, count=False)
+        self.release(req)
+        self.metrics.peeks.inc()
         return req
 
     def prefetch(self, req: Request) -> int:
@@ -507,6 +525,10 @@ class HiCache:
                 self.tree.pin_host(nodes[-1])
                 try:
                     dev = self._alloc_device(n)
+                except CacheFullError:
+                    if req.l2 is not None:  # counted no_room unless a later load back lands it
+                        req.l2.no_room = True
+                    raise
                 finally:
                     self.tree.unpin_host(nodes[-1])
                     self.tree.unlock(m.l1_node)
@@ -536,6 +558,7 @@ class HiCache:
             # its prefetch has ended (here, or at a load back that failed after it): its L3 run is settled
             if req.prefetched and req.prefetch is None:
                 self._count_l3(req, len(dev_all))
+            self._count_l2(req, len(dev_all))  # its L2 run is on L1 now (or was already, loaded by another)
             self._update_gauges()
         # loads the prefix depends on: those seen at match time, those another request started since on
         # pages this request matched on L2 (the re-match found them on L1, still loading), and ours
@@ -608,6 +631,8 @@ class HiCache:
             new = dev[prefix:]
             if not np.isin(new, owned).all():
                 raise ValueError("commit: device pages not allocated to this request")
+            # an L2 run not loaded back by now is not served: the pages after the L1 prefix are the caller's
+            self._count_l2(req, 0)
             res = self.tree.insert(req.ns.digest, tb, keys, device=dev)
             assert res is not None  # L1 inserts start at page 0, so they always attach
             if priority is not None:
@@ -682,6 +707,7 @@ class HiCache:
         with self._lock:
             if req.l3 is not None:  # never loaded its prefetch back: nothing of the run was served
                 self._count_l3(req, 0)
+            self._count_l2(req, 0)  # nor its L2 run, if it never loaded it back
             self.tree.unlock(req.lock_node)
             self.tree.unpin_host(req.pin_node)
             for pages in req.owned_device:
@@ -689,6 +715,20 @@ class HiCache:
             req.owned_device, req.pin_node, req.lock_node = [], None, None
             req.released = True
             self._update_gauges()
+
+    def _count_l2(self, req: Request, usable: int) -> None:
+        """Count what became of the request's L2 run (under the tree lock, once: at its load back, or at
+        its commit or release before one): ``hicache_hit_tokens_total{tier="l2"}`` the pages served,
+        ``hicache_l2_unserved_tokens_total`` the others by reason (:mod:`hicache.l2_tally`). ``usable``:
+        pages of the request's prefix on L1 now (0 when it was not loaded back)."""
+        tally, req.l2 = req.l2, None
+        if tally is None:
+            return
+        out = tally.outcome(usable)
+        self.metrics.hit["l2"].inc(out.pop("served") * self.page_size)
+        for reason, pages in out.items():
+            if pages:
+                self.metrics.l2_unserved[reason].inc(pages * self.page_size)
 
     def _count_l3(self, req: Request, usable: int) -> None:
         """Count what became of the request's L3 run (under the tree lock, once: at the load back of its

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hicache.keys import Namespace
+from hicache.l2_tally import L2Tally
 from hicache.l3_tally import L3Tally
 from hicache.radix import TreeNode
 from hicache.storage.prefetch import PrefetchTask
@@ -39,6 +40,7 @@ class Request:
     prefetch: PrefetchTask | None = None
     prefetched: bool = False  # a prefetch was started for it (at most one per request)
     prefetch_start: int = 0  # the page its prefetch starts at
+    l2: L2Tally | None = None  # what became of its L2 run, until counted (its load back, commit or release)
     l3: L3Tally | None = None  # what became of its L3 run, until counted (load back of its prefetch, release)
     released: bool = False
 

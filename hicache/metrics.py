@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
+from hicache.l2_tally import UNSERVED_REASONS as L2_UNSERVED_REASONS
 from hicache.l3_tally import UNSERVED_REASONS
 
 TIERS = ("l1", "l2", "l3")
@@ -53,20 +54,36 @@ class Metrics:
         r = self.registry
         self.on_collect: Callable[[], None] | None = None  # set by the owner: refresh gauges at scrape time
         r.register(ScrapeHook(self._collect))  # type: ignore[arg-type]
-        self.lookups = Counter("hicache_lookups", "Match calls (peers' WritePages not included)", registry=r)
-        self.lookup_tokens = Counter("hicache_lookup_tokens", "Tokens looked up (full pages)", registry=r)
+        self.lookups = Counter("hicache_lookups", "Lookups that open a request: Match calls and peers' ReadPages "
+                               "(peeks and peers' WritePages not included; hicache_peeks_total counts peeks)",
+                               registry=r)
+        self.lookup_tokens = Counter("hicache_lookup_tokens", "Tokens looked up (full pages) by the lookups "
+                                     "hicache_lookups_total counts", registry=r)
+        self.peeks = Counter("hicache_peeks", "Match calls that only peek (open no request, so nothing is served): "
+                             "not in hicache_lookups_total nor in any hit, L2 or L3 figure", registry=r)
         self.hit_tokens = Counter(
-            "hicache_hit_tokens", "Prompt tokens hit, by tier: l1 and l2 as Match finds them; l3 only tokens served "
-            "from L3 (landed through the request's prefetch and in its prefix after its load back, counted then; "
-            "what the store merely reported at Match is hicache_l3_matched_tokens_total)", ["tier"], registry=r)
+            "hicache_hit_tokens", "Prompt tokens served from the cache, by tier (peeks not included): l1 the "
+            "prefix Match finds and locks on L1 for the request; l2 the run continuing it on L2, counted when the "
+            "request's load back lands it on L1 (what Match found on L2 and was not loaded back is "
+            "hicache_l2_unserved_tokens_total); l3 only tokens served from L3 (landed through the request's "
+            "prefetch and in its prefix after its load back, counted then; what the store merely reported at "
+            "Match is hicache_l3_matched_tokens_total)", ["tier"], registry=r)
+        self.l2_unserved_tokens = Counter(
+            "hicache_l2_unserved_tokens", "Tokens Match found on L2 (continuing the L1 hit) and not served from it, "
+            "by reason: no_room (the request's load back found no room on L1, every page locked by requests in "
+            "flight, and no later one landed them), not_loaded (the request was released, or committed its own "
+            "pages for them, before loading them back). Once their requests have loaded back, committed or been "
+            "released, tokens Match found on L2 are hicache_hit_tokens_total{tier=\"l2\"} plus this",
+            ["reason"], registry=r)
         self.l3_matched_tokens = Counter(
             "hicache_l3_matched_tokens", "Tokens the L3 store reported present at Match (continuing the L1 and L2 "
-            "hit), served or not. Once their requests have loaded their prefetch back or been released, this is "
-            "hicache_hit_tokens_total{tier=\"l3\"} plus hicache_l3_unserved_tokens_total", registry=r)
+            "hit; peeks not included), served or not. Once their requests have loaded their prefetch back or been "
+            "released, this is hicache_hit_tokens_total{tier=\"l3\"} plus hicache_l3_unserved_tokens_total",
+            registry=r)
         self.l3_unserved_tokens = Counter(
             "hicache_l3_unserved_tokens", "Tokens matched on L3 and not served from it, by reason: not_fetched (no "
             "prefetch read them: below storage.prefetch_threshold_tokens, over the in-flight cap, no room on L2, "
-            "none asked for, as by a peek), missing (the store did not return the page or one before it: absent, "
+            "none asked for), missing (the store did not return the page or one before it: absent, "
             "damaged, foreign, store failing), cut_short (the prefetch was stopped first: prefetch_policy's wait, "
             "a release, shutdown), dropped (landed but unused: released before its load back, the request's "
             "tokens changed, the page or its prefix left the cache, no room on L1)", ["reason"], registry=r)
@@ -114,9 +131,11 @@ class Metrics:
         # children bound once: a labels() lookup per call costs microseconds on the hot path
         self.hit = {t: self.hit_tokens.labels(t) for t in TIERS}
         self.l3_unserved = {x: self.l3_unserved_tokens.labels(x) for x in UNSERVED_REASONS}
+        self.l2_unserved = {x: self.l2_unserved_tokens.labels(x) for x in L2_UNSERVED_REASONS}
         self.used = {t: self.pool_used.labels(t) for t in TIERS[:2]}
         self.pinned = {t: self.pinned_pages.labels(t) for t in TIERS[:2]}
-        self.match_seconds = Histogram("hicache_match_seconds", "Match latency", registry=r,
+        self.match_seconds = Histogram("hicache_match_seconds", "Match latency (the lookups "
+                                       "hicache_lookups_total counts)", registry=r,
                                        buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
         self.storage_op_seconds = Histogram("hicache_storage_op_seconds", "Time of one batched L3 operation, by op "
                                             "(exists at match, get by prefetch, set by writeback)", ["op"],

@@ -111,6 +111,12 @@ def l3_run(matched: int = 0, **unserved: int) -> dict[Key, float]:
     return out
 
 
+def l2_unserved(**reasons: int) -> dict[Key, float]:
+    """Tokens Match found on L2 and not served from it, by reason (``hicache_l2_unserved_tokens_total``;
+    reasons as :mod:`hicache.l2_tally`)."""
+    return {key("hicache_l2_unserved_tokens_total", reason=r): float(v) for r, v in reasons.items()}
+
+
 def evicted(l1: int = 0, l2: int = 0) -> dict[Key, float]:
     return {key("hicache_evicted_tokens_total", tier="l1"): l1, key("hicache_evicted_tokens_total", tier="l2"): l2}
 

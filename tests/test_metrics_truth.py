@@ -32,6 +32,7 @@ from metricskit import (
     evicted,
     hits,
     key,
+    l2_unserved,
     l3_run,
     loadback,
     lookups,
@@ -44,6 +45,7 @@ from metricskit import (
 
 from hicache.cache import HiCache, Request
 from hicache.keys import page_keys_from_bytes, tokens_to_bytes
+from hicache.l2_tally import UNSERVED_REASONS as L2_UNSERVED_REASONS
 from hicache.l3_tally import UNSERVED_REASONS
 from hicache.storage.memory import MemoryBackend
 from kvhelpers import commit_fresh, small_config, write_kv
@@ -153,14 +155,14 @@ def test_l2_hits_load_back_and_backup_skipped(caches: list[HiCache], tmp_path: P
     assert cache.evict(l1_pages=8) == (8, 0)
     led.step("to L2", evicted(l1=32), pools(0, 8))
     held = cache.match(a)  # pins its L2 run: all of L2
-    led.step("match", merge(lookups(1, 32), hits(l2=32)))
+    led.step("match", lookups(1, 32))  # the L2 run is a hit once its load back lands it
     commit_fresh(cache, b, seed=2)  # 12 pages on L1; their backup finds no L2 page free or evictable
     led.step("backup skipped", merge(lookups(1, 48), {key("hicache_backup_skipped_tokens_total"): 48}),
              pools(12, 8))
     load = cache.load_back(held)  # 8 pages to L1, 4 free: b's node (12 pages, no L2 copy) is dropped
     load.wait()
     assert load.l2_pages == 8
-    led.step("load back under pressure", merge(loadback(32, 8 * bpp), evicted(l1=48)), pools(8, 8))
+    led.step("load back under pressure", merge(hits(l2=32), loadback(32, 8 * bpp), evicted(l1=48)), pools(8, 8))
     cache.release(held)
     cache.check_integrity()
 
@@ -274,13 +276,13 @@ def test_prefetch_refused(caches: list[HiCache], tmp_path: Path) -> None:
     held = cache.match(pinned)  # pins them
     req = cache.match(small)
     assert cache.prefetch(req) == 0
-    led.step("no room on L2", merge(lookups(3, 32 + 32 + 12), backed(32, 32), evicted(l1=32), hits(l2=32),
+    led.step("no room on L2", merge(lookups(3, 32 + 32 + 12), backed(32, 32), evicted(l1=32),
                                     l3_run(12), storage(written=8, page_bytes=768),
                                     {key("hicache_prefetch_aborted_total"): 1}),
              pools(0, 8))
     cache.release(req)
-    cache.release(held)
-    led.step("released", l3_run(not_fetched=12))
+    cache.release(held)  # its L2 run was never loaded back: not a hit
+    led.step("released", merge(l3_run(not_fetched=12), l2_unserved(not_loaded=32)))
     cache.check_integrity()
 
 
@@ -422,7 +424,8 @@ class Truth:
 
     def __init__(self) -> None:
         self.lookups = self.lookup_tokens = 0
-        self.hit = {"l1": 0, "l2": 0, "l3": 0}  # l3: served, as the load backs report it
+        self.hit = {"l1": 0, "l2": 0, "l3": 0}  # l2, l3: served, as the load backs report them
+        self.l2_matched = 0  # tokens the matches found on L2
         self.l3_matched = 0  # tokens the matches found on L3
         self.committed_l1 = 0  # pages commit newly placed on L1
         self.loaded = 0  # pages load_back moved L2 -> L1
@@ -431,8 +434,8 @@ class Truth:
     def matched(self, req: Request) -> None:
         self.lookups += 1
         self.lookup_tokens += req.num_pages * P
-        for t, n in (("l1", req.l1_pages), ("l2", req.l2_pages)):
-            self.hit[t] += n * P
+        self.hit["l1"] += req.l1_pages * P
+        self.l2_matched += req.l2_pages * P
         self.l3_matched += req.l3_pages * P
 
 
@@ -460,6 +463,10 @@ def check_laws(cache: HiCache, truth: Truth, live: list[Request], flushed: bool)
     unserved = sum(v("hicache_l3_unserved_tokens_total", reason=x) for x in UNSERVED_REASONS)
     still_open = sum(r.l3.pages for r in live if r.l3 is not None) * P
     assert v("hicache_hit_tokens_total", tier="l3") + unserved + still_open == truth.l3_matched
+    # the same for L2: every token matched on L2 is served (loaded back), unserved, or its request still open
+    unserved = sum(v("hicache_l2_unserved_tokens_total", reason=x) for x in L2_UNSERVED_REASONS)
+    still_open = sum(r.l2.pages for r in live if r.l2 is not None) * P
+    assert v("hicache_hit_tokens_total", tier="l2") + unserved + still_open == truth.l2_matched
     # gauges: the allocators, the pins, the prefetches in flight, the writeback queue
     dev, host = cache.device_pool.allocator, cache.host_pool.allocator
     assert v("hicache_pool_used_pages", tier="l1") == dev.used_pages
@@ -534,6 +541,8 @@ OPS = st.one_of(
          ops=[("serve", 0, 0, 6), ("cold",), ("hold", 0, 0, 6, 2), ("finish_held", True), ("finish_held", True)])
 @example(policy="write_back", prefetch="best_effort",  # a prefetch handed over, then the request released
          ops=[("serve", 1, 1, 5), ("evict", 6, 0), ("cold",), ("hold", 1, 1, 5, 1), ("release_held", True, True)])
+@example(policy="write_through", prefetch="best_effort",  # an L2 run released before its load back
+         ops=[("serve", 0, 0, 6), ("evict", 6, 0), ("hold", 0, 0, 6, 1), ("release_held", True, False)])
 def test_metrics_conservation_laws(policy: str, prefetch: str, ops: list[tuple[Any, ...]]) -> None:
     cfg = small_config(cache={"write_policy": policy, "l1_tokens": 32 * P, "l2_tokens": 16 * P},
                        storage={"url": "memory://", "prefetch_policy": prefetch, "io_batch_pages": 2})
@@ -615,6 +624,7 @@ def finish(cache: HiCache, req: Request, tokens: list[int], truth: Truth, seed: 
     load = cache.load_back(req)
     load.wait()
     truth.loaded += load.l2_pages
+    truth.hit["l2"] += min(req.l2_pages, max(0, len(load.device_indices) - req.l1_pages)) * P
     truth.hit["l3"] += load.l3_pages * P
     if prefetching and load.l3_pages < prefetching:
         truth.aborted += 1  # cut short (damaged page, best_effort)
@@ -713,9 +723,11 @@ def test_node_rpc_metrics_over_http(tmp_path: Path) -> None:
     assert after[key("hicache_rpc_rejected_total")] - before.get(key("hicache_rpc_rejected_total"), 0) == 2
     assert after[key("hicache_rpc_inflight")] == 0
     assert after[key("hicache_open_requests")] == 0
-    # the cache's side of the same calls: 6 lookups (the refused Match never reached the cache)
-    want = merge(lookups(6, 4 * ps * 5 + 2 * ps), hits(l1=4 * ps * 4))
+    # the cache's side of the same calls: 2 lookups (the refused Match never reached the cache) and 4 peeks,
+    # which serve nothing: neither lookups nor hits
+    want = merge(lookups(2, 4 * ps * 2), hits(l1=4 * ps), {key("hicache_peeks_total"): 4})
     got = {k: v for k, v in diff(before, after).items() if k[0] in ("hicache_lookups_total",
                                                                      "hicache_lookup_tokens_total",
-                                                                     "hicache_hit_tokens_total")}
+                                                                     "hicache_hit_tokens_total",
+                                                                     "hicache_peeks_total")}
     assert got == {k: v for k, v in want.items() if v}

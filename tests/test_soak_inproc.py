@@ -39,6 +39,7 @@ from soakkit import Counters, PageModel, run_threads
 
 from hicache.cache import CacheFullError, HiCache, Request
 from hicache.config import config_from_dict
+from hicache.l2_tally import UNSERVED_REASONS as L2_UNSERVED_REASONS
 from hicache.l3_tally import UNSERVED_REASONS
 from hicache.pool import HostPool
 from hicache.radix import TreeNode
@@ -107,8 +108,9 @@ class Tally(Counters):
 
     lookups: int = 0
     lookup_pages: int = 0
-    hit_l1: int = 0  # pages per tier as match reported them (what the hit counters count)
-    hit_l2: int = 0
+    hit_l1: int = 0  # pages per tier as match reported them (for L1, what the hit counter counts)
+    hit_l2: int = 0  # L2 pages the matches reported (served or not)
+    served_l2: int = 0  # of which in the request's prefix after its load back (what hit{l2} counts)
     hit_l3: int = 0  # L3 pages the matches reported (served or not)
     loaded_l2: int = 0  # load_back's l2_pages (L2 -> L1, including prefetched L3 pages)
     loaded_l3: int = 0  # of which came from L3
@@ -182,7 +184,8 @@ class Soak:
                 # the prefetched pages entered the tree (and were counted) before the L1 allocation failed
                 t.add(full_in_load=1, full_in_load_l3=req.l3_pages)
                 raise
-            t.add(loaded_l2=load.l2_pages, loaded_l3=load.l3_pages)
+            t.add(loaded_l2=load.l2_pages, loaded_l3=load.l3_pages,
+                  served_l2=min(req.l2_pages, max(0, len(load.device_indices) - req.l1_pages)))
             if load.l2_pages and rng.random() < 0.05:
                 t.add(abandoned=1)  # the client went away while its L2 -> L1 load was in flight
                 return
@@ -394,9 +397,11 @@ def test_concurrent_hits_never_change_the_kv(store: str, write_policy: str, host
         assert val("hicache_lookups_total") == t.lookups
         assert val("hicache_lookup_tokens_total") == t.lookup_pages * PS
         hits = {tier: val("hicache_hit_tokens_total", tier=tier) for tier in ("l1", "l2", "l3")}
-        # l3: tokens served from L3 (as the load backs reported them), of those the matches found there;
-        # every request is released, so each matched token is served or counted unserved once
-        assert hits == {"l1": t.hit_l1 * PS, "l2": t.hit_l2 * PS, "l3": t.loaded_l3 * PS}
+        # l2, l3: tokens served (as the load backs reported them), of those the matches found there; every
+        # request is released, so each matched token is served or counted unserved once
+        assert hits == {"l1": t.hit_l1 * PS, "l2": t.served_l2 * PS, "l3": t.loaded_l3 * PS}
+        unserved = sum(val("hicache_l2_unserved_tokens_total", reason=r) for r in L2_UNSERVED_REASONS)
+        assert t.hit_l2 * PS == hits["l2"] + unserved
         unserved = sum(val("hicache_l3_unserved_tokens_total", reason=r) for r in UNSERVED_REASONS)
         assert val("hicache_l3_matched_tokens_total") == t.hit_l3 * PS == hits["l3"] + unserved
         assert sum(hits.values()) <= t.lookup_pages * PS

@@ -35,12 +35,19 @@ class Outcome(NamedTuple):
     """What one request found, in tokens of its prompt (full pages only)."""
 
     l1: int  # hit on L1
-    l2: int  # continuing on L2
+    l2: int  # continuing on L2 and served from it: loaded back onto L1 (a run that found no room there is
+    # recomputed, not a hit)
     l3: int  # continuing on L3 and served from it: landed through the request's prefetch and loaded back
     # (pages the store reported at match but did not deliver in time, or at all, are not hits)
     reused: int  # KV available on L1 for compute after load-back: tokens not recomputed
     committed: int  # tokens of prompt + output cached after the request
     seconds: float  # time spent in cache calls
+
+
+def served_l2(l1_pages: int, l2_pages: int, usable: int) -> int:
+    """Pages of a request's L2 run (``l2_pages`` after its ``l1_pages`` L1 hit) within its prefix on L1 after
+    its load back, ``usable`` pages long: the L2 hit it was served."""
+    return min(l2_pages, max(0, usable - l1_pages))
 
 
 class Target(abc.ABC):
@@ -88,7 +95,7 @@ class InProcessTarget(Target):
         c, ps = self.cache, self.page_size
         t0 = time.perf_counter()
         r = c.match(req.tokens)
-        l1, l2, l3 = r.l1_pages, r.l2_pages, 0
+        l1, l2, l3 = r.l1_pages, 0, 0
         committed = 0
         try:
             if r.l3_pages:
@@ -96,6 +103,7 @@ class InProcessTarget(Target):
             with contextlib.suppress(CacheFullError):  # the L2 run does not fit on L1 now: recomputed
                 load = c.load_back(r, layer_wise=False)
                 load.wait()
+                l2 = served_l2(r.l1_pages, r.l2_pages, len(load.device_indices))
                 l3 = load.l3_pages  # what the prefetch delivered, not what the store reported at match
             have = len(r.device_indices)
             seq = np.concatenate([req.tokens, req.output]) if len(req.output) else req.tokens
@@ -150,6 +158,7 @@ class GrpcTarget(Target):
             raise BenchInputError(f"--target {url}: the gRPC client (hicache.client) is not available ({e})") from None
         self._rpc_error = grpc.RpcError
         self._unimplemented = grpc.StatusCode.UNIMPLEMENTED
+        self._exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
         self.url = url
         self.client = HiCacheClient(url.removeprefix("grpc://"), timeout_s=timeout_s)
         try:
@@ -171,14 +180,20 @@ class GrpcTarget(Target):
         m = c.match(req.tokens)
         ps = m.page_size
         dev = m.device_indices
+        l2 = 0  # served from L2: loaded back onto L1 by the Prefetch
         l3 = 0  # served from L3: the node's count of what the prefetch delivered and it loaded back
         committed = 0
         try:
             if m.l2_pages + m.l3_pages:
-                for p in c.prefetch(m.request_id):
-                    if p.done:
-                        dev = p.device_indices
-                        l3 = p.loaded_l3_pages
+                try:
+                    for p in c.prefetch(m.request_id):
+                        if p.done:
+                            dev = p.device_indices
+                            l2 = served_l2(m.l1_pages, m.l2_pages, len(dev))
+                            l3 = p.loaded_l3_pages
+                except self._rpc_error as e:  # refused (no room on L1 for the run now): recomputed
+                    if e.code() != self._exhausted:
+                        raise
             have = len(dev)
             seq = np.concatenate([req.tokens, req.output]) if len(req.output) else req.tokens
             need = len(seq) // ps - have
@@ -191,8 +206,7 @@ class GrpcTarget(Target):
                     self.commit_skipped += 1  # e.g. RESOURCE_EXHAUSTED: everything locked by others
         finally:
             c.release(m.request_id)
-        return Outcome(m.l1_pages * ps, m.l2_pages * ps, l3 * ps, have * ps, committed,
-                       time.perf_counter() - t0)
+        return Outcome(m.l1_pages * ps, l2 * ps, l3 * ps, have * ps, committed, time.perf_counter() - t0)
 
     def settle(self) -> bool:
         """The node's ``Flush``; a node too old to have it does not settle (UNIMPLEMENTED, asked once)."""

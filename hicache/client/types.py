@@ -164,10 +164,10 @@ class Stats:
     l2_pages_used: int  # allocated: cached, or taken by prefetches from L3 in flight
     l2_pages_cached: int  # held by the tree
     writeback_queue_pages: int  # queued for writing to L3
-    lookups: int  # matches counted (peeks and ReadPages included, peers' WritePages not)
+    lookups: int  # matches that opened a request (ReadPages included; peeks and peers' WritePages not)
     lookup_tokens: int  # tokens of the full pages looked up
     hit_tokens_l1: int  # tokens found on L1
-    hit_tokens_l2: int  # tokens continuing them on L2
+    hit_tokens_l2: int  # tokens continuing them on L2 and served from it (loaded back onto L1 for the request)
     hit_tokens_l3: int  # tokens continuing those on L3 and served from it (prefetched and loaded back)
     open_requests: int  # requests opened by Match and not released yet
     event_sequence: int  # sequence number of the last event emitted

@@ -342,9 +342,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         return self._match_response(req, rid, request.return_keys)
 
     def _peek(self, tokens: np.ndarray, ns: Any, l3: bool, keys: bool) -> Request:
-        req = self.cache.match(tokens, ns, l3=l3, keys=keys)
-        self.cache.release(req)
-        return req
+        return self.cache.peek(tokens, ns, l3=l3, keys=keys)  # serves nothing: not a lookup nor a hit
 
     def _open(self, entry: Entry, tb: bytes, ns: Any, l3: bool, load: bool, keys: bool) -> Request:
         # Page keys are hashed here only when the store is asked or the caller wants them; otherwise

@@ -22,7 +22,7 @@ def test_calls_without_the_token_are_unauthenticated(server_factory: Callable[..
     srv = server_factory(serve={"auth_token": TOKEN})
     toks = np.arange(64, dtype=np.uint32)
     with HiCacheClient(srv.target) as anon:
-        for call in (lambda: anon.match(toks, peek=True), anon.stats, anon.flush,
+        for call in (lambda: anon.match(toks, "r0"), lambda: anon.match(toks, peek=True), anon.stats, anon.flush,
                      lambda: next(iter(anon.watch_events()))):
             with pytest.raises(grpc.RpcError) as ei:
                 call()
@@ -35,7 +35,9 @@ def test_calls_without_the_token_are_unauthenticated(server_factory: Callable[..
         bad.stats()
     assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with HiCacheClient(srv.target, token=TOKEN) as ok:
-        assert ok.match(toks, peek=True).num_pages == 4
+        assert ok.match(toks, peek=True).num_pages == 4  # a peek opens nothing: not a lookup
+        assert ok.match(toks, "r1").num_pages == 4
+        ok.release("r1")
         assert ok.stats().lookups == 1  # the refused calls never reached the cache
 
 

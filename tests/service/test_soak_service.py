@@ -82,9 +82,9 @@ def code(e: grpc.RpcError) -> grpc.StatusCode:
 # ---------------------------------------------------------------------------------------------- the soak
 @dataclass
 class Tally(Counters):
-    lookups: int = 0  # Match (peeks too) and ReadPages calls: what hicache_lookups counts
+    lookups: int = 0  # Match (not peeks) and ReadPages calls: what hicache_lookups counts
     lookup_pages: int = 0
-    plain_hits: int = 0  # L1 + L2 pages Match reported, for Matches without load
+    plain_hits: int = 0  # for Matches without load: L1 pages Match reported, and L2 pages a Prefetch loaded back
     l3_hits: int = 0  # L3 pages Match reported
     verified_l1: int = 0  # hit pages read back and checked, by the tier they came from
     verified_l2: int = 0
@@ -137,8 +137,7 @@ class Soak:
                 raise
             t.add(full=1, lookups=1, lookup_pages=len(tokens) // PS)  # looked up before the load failed
             return
-        t.add(lookups=1, lookup_pages=m.num_pages, l3_hits=m.l3_pages,
-              plain_hits=0 if load else m.l1_pages + m.l2_pages)
+        t.add(lookups=1, lookup_pages=m.num_pages, l3_hits=m.l3_pages, plain_hits=0 if load else m.l1_pages)
         try:
             # Match replies once every page it names is readable (loads in flight on them landed)
             dev = m.device_indices
@@ -163,6 +162,7 @@ class Soak:
                 assert np.array_equal(last.device_indices[: len(dev)], dev)
                 dev = last.device_indices
                 check_pages(shared, dev, tenant, tokens, "Prefetch")
+                t.add(plain_hits=min(m.l2_pages, max(0, len(dev) - m.l1_pages)))  # the L2 run, served now
                 t.add(verified_l2=last.loaded_l2_pages - last.loaded_l3_pages, verified_l3=last.loaded_l3_pages)
             dev = self.extend(c, shared, rng, rid, tenant, tokens, dev)
             if rng.random() < 0.2:  # decoding filled more pages: the same request commits the longer sequence
@@ -206,8 +206,8 @@ class Soak:
             n = check_bytes(data, tenant, tokens, "ReadPages")
             t.add(lookups=1, lookup_pages=len(tokens) // PS, verified_read=n)
         elif r < 0.8:
-            m = c.match(tokens, tenant=tenant, peek=True)  # opens nothing, counted as a lookup
-            t.add(lookups=1, lookup_pages=m.num_pages, plain_hits=m.l1_pages + m.l2_pages, l3_hits=m.l3_pages)
+            m = c.match(tokens, tenant=tenant, peek=True)  # opens nothing, serves nothing: not a lookup
+            assert m.request_id == "" and m.l1_pages + m.l2_pages + m.l3_pages <= m.num_pages
         else:
             # a peer's pages: the node keeps what it has and takes the rest (not a lookup)
             n = len(tokens) // PS
