@@ -1,7 +1,8 @@
 """Metrics reference, alert rules and the Grafana dashboard, checked against the code and a real Prometheus.
 
 - ``docs/metrics.md``'s table is the one :mod:`hicache.metrics_catalog` generates from the metric objects;
-- every metric an alert or a dashboard panel uses is one a node or router exports;
+- every metric an alert or a dashboard panel uses is one a node or router exports, every metric exported is
+  on the dashboard (or named as left off it, with why), and the panels tile the grid without overlapping;
 - the chart's PrometheusRule passes ``promtool check rules`` and unit tests (``promtool test rules``) that
   make each alert fire where it should and stay quiet where it should not;
 - a real ``prometheus`` scrapes a live node and router under traffic, evaluates every dashboard query
@@ -30,7 +31,7 @@ pytest.importorskip("helm_python")
 from cli_procs import ROUTE_READY, SERVE_READY, free_port, start_cli, stop
 from helm_render import CHART, NAMESPACE, render
 
-from hicache.metrics_catalog import markdown_table, series_names
+from hicache.metrics_catalog import catalog, markdown_table, series_names
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "metrics.md"
@@ -84,6 +85,43 @@ def test_alerts_and_dashboard_use_only_exported_metrics() -> None:
     used |= {name for v in d["templating"]["list"] for name in metric_names(json.dumps(v))}
     assert used, "no metric found in the rules or the dashboard"
     assert used <= exported, f"not exported by a node or router: {sorted(used - exported)}"
+
+
+# metrics deliberately not on the dashboard, and why
+OFF_DASHBOARD = {
+    "hicache_backup_skipped_tokens": "a capacity detail: docs/metrics.md's L2 questions",
+    "hicache_event_sequence": "a position in the event stream, not a rate or a level",
+    "hicache_loadback_seconds": "host time of load_back calls: docs/transfers.md's host-bound question",
+    "hicache_loadback_tokens": "the L2 -> L1 loads panel shows them in bytes",
+    "hicache_pinned_pages": "pins are an operator's own doing: hicache status lists them",
+    "hicache_storage_up": "an alert (HicacheL3Down) rather than a panel",
+    "hicache_tenant_pages": "per tenant: docs/metrics.md's tenant-share query",
+    "hicache_tenant_share": "per tenant: docs/metrics.md's tenant-share query",
+    "hicache_transfer_submit_seconds": "docs/transfers.md's host-bound question",
+    "hicache_router_resyncs": "rare by nature: the node-health panel shows a node out of sync",
+    "hicache_router_routes_expired": "an alert (HicacheRouterRoutesExpiring) rather than a panel",
+}
+
+
+def test_dashboard_shows_every_metric() -> None:
+    """A metric added to a node or the router gets a panel, or a line above saying why not."""
+    d = json.loads(DASHBOARD.read_text())
+    shown = {name for e in dashboard_exprs() for name in metric_names(e)}
+    missing = [m.name for m in catalog() if not set(m.series) & shown and m.name not in OFF_DASHBOARD]
+    assert missing == [], f"exported, and neither on the dashboard nor in OFF_DASHBOARD: {missing}"
+    stale = sorted(n for n in OFF_DASHBOARD if n not in {m.name for m in catalog()}
+                   or {s for m in catalog() if m.name == n for s in m.series} & shown)
+    assert stale == [], f"OFF_DASHBOARD names a metric that is gone or on the dashboard now: {stale}"
+    assert len({p["id"] for p in d["panels"]}) == len(d["panels"]), "panel ids repeat"
+    cells: dict[tuple[int, int], str] = {}
+    for p in d["panels"]:
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{p['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = p["title"]
+        assert p["type"] == "row" or p.get("targets"), p["title"]
 
 
 def test_rules_follow_the_values() -> None:
@@ -167,6 +205,14 @@ def test_alerts_fire_where_they_should(tmp_path: Path) -> None:
         S(f'hicache_router_breaker_open{{{m},pod="r0",node="n0"}}', "0x45"),
         S(f'hicache_router_breaker_open{{{m},pod="r0",node="n1"}}', "0x5 1x40"),
         S(f'hicache_router_routes_expired_total{{{m},pod="r0"}}', "0+1x60"),
+        # n0's store loses 30% of what it lists; n1's prefetches are cut short (not the store's doing)
+        S(f'hicache_l3_matched_tokens_total{{{m},pod="n0"}}', "0+100x80"),
+        S(f'hicache_l3_unserved_tokens_total{{{m},pod="n0",reason="missing"}}', "0+30x80"),
+        S(f'hicache_l3_matched_tokens_total{{{m},pod="n1"}}', "0+100x80"),
+        S(f'hicache_l3_unserved_tokens_total{{{m},pod="n1",reason="missing"}}', "0+2x80"),
+        S(f'hicache_l3_unserved_tokens_total{{{m},pod="n1",reason="cut_short"}}', "0+60x80"),
+        S('hicache_l3_matched_tokens_total{namespace="other",pod="x"}', "0+100x80"),
+        S('hicache_l3_unserved_tokens_total{namespace="other",pod="x",reason="missing"}', "0+90x80"),
     ]
     n0, n1, r0 = ns(pod="n0"), ns(pod="n1"), ns(pod="r0")
     tests = [
@@ -177,6 +223,8 @@ def test_alerts_fire_where_they_should(tmp_path: Path) -> None:
         alert("HicacheL3CorruptPages", "5m"),
         alert("HicacheL3CorruptPages", "12m", {**n0, "severity": "warning"}),
         alert("HicacheL3CorruptPages", "40m"),  # no new damage in the last 15 minutes
+        alert("HicacheL3PagesMissing", "20m"),  # pending: it must last 30 minutes
+        alert("HicacheL3PagesMissing", "70m", {**n0, "severity": "warning"}),
         alert("HicacheWritebackDropping", "20m", {**n1, "severity": "warning"}),
         alert("HicacheRpcRejected", "20m", {**n1, "severity": "warning"}),
         alert("HicacheRpcServerErrors", "20m", {**n0, "method": "Prefetch", "severity": "critical"}),
@@ -256,7 +304,9 @@ class Live:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     """A node (L3 in memory) and a router under a short RAG replay, scraped every second by Prometheus,
-    which also evaluates the chart's rules (HicacheLowHitRate set to 0.999, so it must be pending)."""
+    which also evaluates the chart's rules (HicacheLowHitRate set to 0.999, so it must be pending). A second
+    router over the same node, with the approximate index (``router.index: approximate``), gives that
+    index's series."""
     import grpc
 
     from hicache.bench.replay import replay
@@ -268,19 +318,22 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
 
     tmp = tmp_path_factory.mktemp("prom")
     node_metrics, router_metrics, prom_port = free_port(), free_port(), free_port()
+    approx_metrics = free_port()
     (tmp / "node.yaml").write_text(yaml.safe_dump({**NODE_CFG, "serve": {**NODE_CFG["serve"],
                                                                           "metrics_port": node_metrics}}))
+    (tmp / "approx.yaml").write_text(yaml.safe_dump({**NODE_CFG, "router": {"index": "approximate"}}))
     # only the hit-rate alert can be pending on this traffic; latency alerts would depend on the machine
     rules = rules_of({**ALL_ON, "metrics": {"prometheusRule": {"enabled": True, "hitRateBelow": 0.999,
                                                                "matchLatencyP99Seconds": 5}}})
     write_rules(tmp / "rules.yaml", rules)
-    targets = [("node", node_metrics, "node-0"), ("router", router_metrics, "router-0")]
+    targets = [("node", node_metrics, "node-0"), ("router", router_metrics, "router-0"),
+               ("router", approx_metrics, "router-1")]
     (tmp / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(tmp / "rules.yaml")],
-        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{port}"],
-                                                                 "labels": {"namespace": NAMESPACE, "pod": pod}}]}
-                           for job, port, pod in targets]}))
+        "scrape_configs": [{"job_name": job, "static_configs": [
+            {"targets": [f"127.0.0.1:{port}"], "labels": {"namespace": NAMESPACE, "pod": pod}}
+            for j, port, pod in targets if j == job]} for job in dict.fromkeys(j for j, _, _ in targets)]}))
     procs: list[subprocess.Popen[Any]] = []
     try:
         node, port = start_cli(["serve", "--config", str(tmp / "node.yaml")], SERVE_READY)
@@ -288,6 +341,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         router, rport = start_cli(["route", "--config", str(tmp / "node.yaml"), "--port", "0", "--metrics-port",
                                    str(router_metrics), "--node", f"n0=127.0.0.1:{port}"], ROUTE_READY)
         procs.append(router)
+        approx, _ = start_cli(["route", "--config", str(tmp / "approx.yaml"), "--port", "0", "--metrics-port",
+                               str(approx_metrics), "--node", f"n0=127.0.0.1:{port}"], ROUTE_READY)
+        procs.append(approx)
         with grpc.insecure_channel(f"127.0.0.1:{rport}") as ch:
             stub = rpb_grpc.RouterStub(ch)
             end = time.monotonic() + 20
@@ -299,7 +355,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
              f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         prom = Prom(prom_port)
-        prom.wait("both targets up", lambda: len(prom.query("up == 1")) == 2)
+        prom.wait("every target up", lambda: len(prom.query("up == 1")) == len(targets))
         reqs = generate(WorkloadSpec("rag", 120, seed=3))
         with open_target(f"grpc://127.0.0.1:{rport}", config_from_dict(NODE_CFG)) as target:
             replay(reqs, target)
