@@ -185,12 +185,17 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     async def expire_idle(self) -> int:
         """Release requests idle past the TTL (a client that went away); returns how many."""
         old = self.table.expired()
-        for e in old:
+        if old:
+            # The entries have left the table: their releases run to the end even if this caller (the
+            # expiry loop, cancelled at shutdown) is cancelled, and release_all waits for them.
+            await asyncio.shield(self._in_background(self._release_expired(old)))
+        return len(old)
+
+    async def _release_expired(self, entries: list[Entry]) -> None:
+        for e in entries:
             assert e.request is not None
             await blocking(self.cache.release, e.request)
-        if old:
-            self.metrics.expired_requests.inc(len(old))
-        return len(old)
+        self.metrics.expired_requests.inc(len(entries))
 
     async def release_all(self, wait_s: float | None = None) -> int:
         """Shutdown: release every open request; returns how many. A Match still opening its id (its call

@@ -200,3 +200,36 @@ def test_expiry_passes_over_an_entry_whose_match_has_not_settled() -> None:
     assert table.expired(later) == []
     e.settled.set()
     assert table.expired(later) == [e] and len(table) == 0
+
+
+def test_idle_expiry_cut_short_at_shutdown_still_releases_its_whole_batch() -> None:
+    """The expiry loop takes idle requests out of the table and releases them one by one; cancelled midway
+    (the node shuts down), the rest of its batch is still released -- nothing stays locked."""
+
+    async def main() -> None:
+        async with node(lookup_s=0.0, request_ttl_s=0.2) as n:
+            for i in range(3):
+                await n.stub.Match(pb.MatchRequest(request_id=f"idle-{i}",
+                                                   tokens=np.arange(1 + 16 * i, 17 + 16 * i, dtype="<u4").tobytes()),
+                                   timeout=5)
+            cache = n.server.cache
+            assert cache is not None
+            released: list[Any] = []
+            real = cache.release
+
+            def slow_release(req: Any) -> None:
+                time.sleep(0.2)  # a release that takes a while (an L3 prefetch to stop)
+                real(req)
+                released.append(req)
+
+            cache.release = slow_release  # type: ignore[method-assign]
+            await asyncio.sleep(0.3)  # all three idle past the TTL
+            task = asyncio.ensure_future(n.servicer.expire_idle())
+            await asyncio.sleep(0.1)  # the first release is under way
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await n.servicer.release_all(wait_s=2.0)
+            assert len(released) == 3 and all(r.released for r in released)
+            assert len(n.servicer.table) == 0
+
+    asyncio.run(main())
