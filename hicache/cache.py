@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -718,31 +718,26 @@ class HiCache:
 
     def _count_l2(self, req: Request, usable: int) -> None:
         """Count what became of the request's L2 run (under the tree lock, once: at its load back, or at
-        its commit or release before one): ``hicache_hit_tokens_total{tier="l2"}`` the pages served,
-        ``hicache_l2_unserved_tokens_total`` the others by reason (:mod:`hicache.l2_tally`). ``usable``:
-        pages of the request's prefix on L1 now (0 when it was not loaded back)."""
+        its commit or release before one), by :meth:`_count_tier` (:mod:`hicache.l2_tally`)."""
         tally, req.l2 = req.l2, None
-        if tally is None:
-            return
-        out = tally.outcome(usable)
-        self.metrics.hit["l2"].inc(out.pop("served") * self.page_size)
-        for reason, pages in out.items():
-            if pages:
-                self.metrics.l2_unserved[reason].inc(pages * self.page_size)
+        if tally is not None:
+            self._count_tier("l2", tally.outcome(usable), self.metrics.l2_unserved)
 
     def _count_l3(self, req: Request, usable: int) -> None:
         """Count what became of the request's L3 run (under the tree lock, once: at the load back of its
-        prefetch, or at its release): ``hicache_hit_tokens_total{tier="l3"}`` the pages served,
-        ``hicache_l3_unserved_tokens_total`` the others by reason (:mod:`hicache.l3_tally`). ``usable``:
-        pages of the request's prefix on L1 now (0 at a release)."""
+        prefetch, or at its release), by :meth:`_count_tier` (:mod:`hicache.l3_tally`)."""
         tally, req.l3 = req.l3, None
-        if tally is None:
-            return
-        out = tally.outcome(usable)
-        self.metrics.hit["l3"].inc(out.pop("served") * self.page_size)
-        for reason, pages in out.items():
+        if tally is not None:
+            self._count_tier("l3", tally.outcome(usable), self.metrics.l3_unserved)
+
+    def _count_tier(self, tier: str, outcome: dict[str, int], unserved: Mapping[str, Any]) -> None:
+        """``hicache_hit_tokens_total{tier}`` the served pages of ``outcome`` (a tally's split, in pages,
+        given the request's prefix on L1 now: 0 when it was not loaded back), the ``unserved`` counters
+        the others by reason."""
+        self.metrics.hit[tier].inc(outcome.pop("served") * self.page_size)
+        for reason, pages in outcome.items():
             if pages:
-                self.metrics.l3_unserved[reason].inc(pages * self.page_size)
+                unserved[reason].inc(pages * self.page_size)
 
     def _check_open(self, req: Request) -> None:
         if req.released:
