@@ -123,7 +123,7 @@ class HiCache:
         s = config.storage
         if storage is None and s.url:
             ctx = StorageContext(self.ns.digest, self.layout, self.ns.model, self.ns.tp_rank,
-                                 self.ns.tp_size, c.host_layout)
+                                 self.ns.tp_size, c.host_layout, s.compression, s.compression_level)
             storage = create_backend(s.url, ctx, **s.options)
         self.storage = storage
         self.prefetcher = Prefetcher() if storage is not None else None

@@ -26,6 +26,7 @@ import yaml
 from hicache.eviction import policy_names
 from hicache.keys import Namespace
 from hicache.layout import DTYPES, HOST_LAYOUTS, KVLayout
+from hicache.storage.codec import codec_names
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -190,6 +191,10 @@ class StorageConfig:
     io_batch_pages: int = 128  # L3 get/set batch size
     writeback_queue_pages: int = 16384
     writeback_when_full: str = "block"  # block | drop (dropped pages are counted)
+    # lossless page compression for L3 (none | zstd | lz4): byte shuffle + codec, bit-exact; pages that do
+    # not shrink are stored as they are. Any node reads any codec, so nodes may differ.
+    compression: str = "none"
+    compression_level: int = 0  # 0: the codec's default (zstd 1); higher: smaller and slower writes
     options: dict[str, Any] = field(default_factory=dict)  # backend-specific (timeouts, TTL, prefix...)
 
     def __post_init__(self) -> None:
@@ -206,6 +211,10 @@ class StorageConfig:
                  self.writeback_queue_pages)
         _require(self.writeback_when_full in ("block", "drop"), "storage.writeback_when_full",
                  "'block' or 'drop'", self.writeback_when_full)
+        _require(self.compression in codec_names(), "storage.compression", f"one of {codec_names()}",
+                 self.compression)
+        _require(-7 <= self.compression_level <= 22, "storage.compression_level", "in [-7, 22] (0: default)",
+                 self.compression_level)
 
     def prefetch_timeout(self, tokens: int) -> float:
         """Seconds the ``timeout`` policy waits for a prefetch of ``tokens`` tokens."""

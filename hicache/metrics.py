@@ -27,6 +27,10 @@ STORAGE_COUNTERS = (
     ("sets", "hicache_storage_pages_written", "Pages written to L3"),
     ("bytes_read", "hicache_storage_read_bytes", "Bytes of pages read from L3"),
     ("bytes_written", "hicache_storage_written_bytes", "Bytes of pages written to L3"),
+    ("stored_bytes_read", "hicache_storage_stored_read_bytes", "Bytes of the pages read from L3 as they were "
+                                                               "stored (compressed or not, without frame headers)"),
+    ("stored_bytes_written", "hicache_storage_stored_written_bytes", "Bytes of the pages written to L3 as stored "
+                                                                     "(written_bytes / this: the compression ratio)"),
     ("corrupt_pages", "hicache_storage_corrupt_pages", "L3 pages that failed frame verification (served as misses)"),
     ("errors", "hicache_storage_errors", "Failed L3 operations (store down, timeout, refused; the file store "
                                          "counts each page)"),

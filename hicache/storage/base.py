@@ -23,6 +23,7 @@ Backends register under a URL scheme (``@register_backend("redis", "rediss")``) 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from urllib.parse import urlparse
 
 from hicache.layout import KVLayout
 from hicache.pool import HostPool
+from hicache.storage.codec import make_codec
+from hicache.storage.frame import pack_page
 
 
 def safe_url(url: str) -> str:
@@ -49,6 +52,8 @@ class StorageContext:
     tp_rank: int = 0
     tp_size: int = 1
     host_layout: str = "page_first"
+    compression: str = "none"  # the codec pages are written with (:mod:`hicache.storage.codec`); reads take any
+    compression_level: int = 0  # 0: the codec's default
 
     @property
     def is_mla(self) -> bool:
@@ -67,6 +72,8 @@ class StorageStats:
     corrupt_pages: int = 0  # frames that failed verification (counted as misses)
     errors: int = 0  # store failures (down, timeout, ...): per page for files, per operation for Redis
     extra: dict[str, Any] = field(default_factory=dict)
+    stored_bytes_read: int = 0  # payload bytes of the pages read, as stored (compressed or not; no headers)
+    stored_bytes_written: int = 0  # the same for pages written: bytes_written / this = the compression ratio
 
 
 class StorageBackend(abc.ABC):
@@ -80,6 +87,13 @@ class StorageBackend(abc.ABC):
         self.options = options
         self._stats = StorageStats()
         self._stats_lock = threading.Lock()
+        self.codec = make_codec(ctx.compression, ctx.compression_level)
+        self.elem = ctx.layout.element_size  # the byte shuffle's element size
+
+    def pack(self, page: memoryview, key: bytes) -> tuple[bytes, bytes | memoryview]:
+        """One page's frame as (header, payload), compressed with ``storage.compression`` where that saves
+        space (:func:`hicache.storage.frame.pack_page`)."""
+        return pack_page(page, self.ctx.namespace_digest, key, self.codec, self.elem)
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -106,8 +120,7 @@ class StorageBackend(abc.ABC):
     def stats(self) -> StorageStats:
         with self._stats_lock:
             s = self._stats
-            return StorageStats(s.gets, s.get_misses, s.sets, s.bytes_read, s.bytes_written,
-                                s.corrupt_pages, s.errors, dict(s.extra))
+            return dataclasses.replace(s, extra=dict(s.extra))
 
     @property
     def url_safe(self) -> str:

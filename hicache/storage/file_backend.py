@@ -70,7 +70,7 @@ import pyarrow.fs as pafs
 
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
-from hicache.storage.frame import HEADER_BYTES, encode_header
+from hicache.storage.frame import HEADER_BYTES, FrameError, encode_header, unpack_page
 from hicache.storage.pageio import PageIO
 from hicache.storage.threads import check_nice, io_pool
 
@@ -335,7 +335,7 @@ class FileBackend(StorageBackend):
             n += 1
         return n
 
-    def _write_frame(self, d: str, key: bytes, final: str, header: bytes, payload: memoryview) -> None:
+    def _write_frame(self, d: str, key: bytes, final: str, header: bytes, payload: bytes | memoryview) -> None:
         """Write one page's frame to ``final`` (in directory ``d``): through a temporary file renamed into
         place where renames are atomic, else in place."""
         target = f"{d}/.{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}" if self.atomic_rename \
@@ -344,7 +344,7 @@ class FileBackend(StorageBackend):
             if self._local:
                 fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
-                    if os.writev(fd, [header, payload]) != self._frame_bytes:
+                    if os.writev(fd, [header, payload]) != HEADER_BYTES + len(payload):
                         raise OSError(f"short write to {target}")
                 finally:
                     os.close(fd)
@@ -363,13 +363,13 @@ class FileBackend(StorageBackend):
 
     def batch_set(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
         self._check_lengths(keys, host_indices)
-        ns = self.ctx.namespace_digest
         pio = PageIO(host_pool)
+
+        stored = [0] * len(keys)  # payload bytes as written
 
         def one(i: int) -> int:
             key, page = keys[i], int(host_indices[i])
-            payload = pio.source(page)
-            header = encode_header(payload, ns, key)
+            header, payload = self.pack(pio.source(page), key)
             final = self.path(key)
             d = final.rsplit("/", 1)[0]
             self._ensure_dir(d)
@@ -381,7 +381,8 @@ class FileBackend(StorageBackend):
                 self._dirs.discard(d)
                 self._ensure_dir(d)
                 self._write_frame(d, key, final, header, payload)
-            self._note(final, self._frame_bytes)
+            self._note(final, HEADER_BYTES + len(payload))
+            stored[i] = len(payload)
             return OK
 
         res = self._map(one, len(keys), write=True)
@@ -389,7 +390,8 @@ class FileBackend(StorageBackend):
         errors = sum(r == ERROR for r in res)
         if errors:
             self._count(errors=errors)
-        self._count(sets=sum(r == OK for r in res), bytes_written=sum(r == OK for r in res) * self._page_bytes)
+        self._count(sets=sum(r == OK for r in res), bytes_written=sum(r == OK for r in res) * self._page_bytes,
+                    stored_bytes_written=sum(stored))
         self._sweep()
         return n
 
@@ -399,6 +401,20 @@ class FileBackend(StorageBackend):
         pio = PageIO(host_pool)
         keep = self.delete_corrupt
         seen: list[Seen | None] = [None] * len(keys)  # damaged files as read, for the conditional delete
+        stored = [self._page_bytes] * len(keys)  # payload bytes as read
+
+        def unpacked(i: int, blob: bytes | bytearray, dst: memoryview) -> int:
+            """A compressed frame (smaller than a page's): verify and decode it into ``dst``."""
+            try:
+                unpack_page(blob, ns, keys[i], dst)
+            except FrameError:
+                if keep:
+                    seen[i] = _seen(blob)
+                return CORRUPT
+            stored[i] = len(blob) - HEADER_BYTES
+            pio.commit(int(host_indices[i]), dst)
+            self._touch(self.path(keys[i]))
+            return OK
 
         def one(i: int) -> int:
             key, page = keys[i], int(host_indices[i])
@@ -408,7 +424,13 @@ class FileBackend(StorageBackend):
             if self._local:
                 fd = os.open(p, os.O_RDONLY)
                 try:
-                    if os.fstat(fd).st_size != self._frame_bytes:
+                    size = os.fstat(fd).st_size
+                    if HEADER_BYTES < size < self._frame_bytes:
+                        blob = bytearray(size)
+                        if os.readv(fd, [blob]) != size:
+                            return CORRUPT  # (the file changed under us; kept)
+                        return unpacked(i, blob, dst)
+                    if size != self._frame_bytes:
                         if keep:
                             seen[i] = _seen_reader(lambda k: os.read(fd, k))
                         return CORRUPT
@@ -418,7 +440,10 @@ class FileBackend(StorageBackend):
                     os.close(fd)
             else:
                 with self.fs.open_input_file(p) as f:
-                    if f.size() != self._frame_bytes:
+                    size = f.size()
+                    if HEADER_BYTES < size < self._frame_bytes:
+                        return unpacked(i, f.read(), dst)
+                    if size != self._frame_bytes:
                         if keep:
                             seen[i] = _seen_reader(f.read)
                         return CORRUPT
@@ -444,7 +469,8 @@ class FileBackend(StorageBackend):
         errors = sum(r == ERROR for r in res)
         if errors:
             self._count(errors=errors)
-        self._count(gets=n, get_misses=len(keys) - n, bytes_read=n * self._page_bytes)
+        self._count(gets=n, get_misses=len(keys) - n, bytes_read=n * self._page_bytes,
+                    stored_bytes_read=sum(stored[:n]))
         return n
 
     def delete(self, keys: Sequence[bytes]) -> int:

@@ -3,13 +3,20 @@
 Layout (little-endian)::
 
     magic    4s   b"HKV1"
-    version  u16  FRAME_VERSION
-    flags    u16  0
+    version  u16  2 (the page as it is) or 3 (the page compressed)
+    flags    u16  0 (version 2); version 3: codec id (bits 0-3) | shuffle element size << 8
     ns       32s  namespace digest (model, revision, layout, TP shard, tenant)
     key      32s  page key
-    length   u64  payload bytes
-    checksum 32s  XXH3-128 of (ns, key, payload), 16 bytes, zero-padded
+    length   u64  payload bytes (as stored)
+    checksum 32s  XXH3-128 of (ns, key, payload), 16 bytes; version 2: zero-padded; version 3: then the
+                  XXH3-128 of the decompressed page
     payload  length bytes
+
+Version 3 frames hold a page compressed by a lossless codec (:mod:`hicache.storage.codec`); they are
+written only when compression saves space, so a store holds both versions. The first checksum guards the
+stored bytes (damage is caught before anything is decompressed), the second the page they decode to, so
+a codec that decoded wrongly could not hand out a wrong page either. Readers decode whatever codec a
+frame names, whatever their own ``storage.compression``.
 
 The checksum guards against accidental damage (a flipped bit, a truncated or torn write). XXH3 runs at
 tens of GB/s per core and releases the GIL, so verifying every read costs little next to a memory copy,
@@ -27,8 +34,11 @@ import struct
 
 import xxhash
 
+from hicache.storage.codec import PageCodec, codec_for_id
+
 MAGIC = b"HKV1"
-FRAME_VERSION = 2
+FRAME_VERSION = 2  # a page as it is
+PACKED_VERSION = 3  # a page compressed
 _HEADER = struct.Struct("<4sHH32s32sQ32s")
 HEADER_BYTES = _HEADER.size
 
@@ -37,12 +47,12 @@ class FrameError(ValueError):
     """A stored page failed verification."""
 
 
-def _checksum(ns: bytes, key: bytes, payload: bytes | memoryview) -> bytes:
+def _checksum(ns: bytes, key: bytes, payload: bytes | memoryview, pad: bool = True) -> bytes:
     h = xxhash.xxh3_128()
     h.update(ns)
     h.update(key)
     h.update(payload)
-    return h.digest().ljust(32, b"\0")
+    return h.digest().ljust(32, b"\0") if pad else h.digest()
 
 
 def _pad32(b: bytes) -> bytes:
@@ -81,3 +91,49 @@ def decode_frame(blob: bytes | memoryview, ns: bytes, key: bytes, expected_len: 
     if _checksum(ns32, key32, payload) != checksum:
         raise FrameError("checksum mismatch")
     return payload
+
+
+def pack_page(page: memoryview, ns: bytes, key: bytes, codec: PageCodec | None, elem: int
+              ) -> tuple[bytes, bytes | memoryview]:
+    """The frame of one page as (header, payload): compressed by ``codec`` (shuffled by ``elem``-byte
+    elements) into a version 3 frame when that saves space, else the page as it is (version 2, the
+    payload is ``page`` itself, no copy)."""
+    stored = codec.compress(page, elem) if codec is not None and codec.codec_id else None
+    if stored is None:
+        return encode_header(page, ns, key), page
+    ns32, key32 = _pad32(ns), _pad32(key)
+    flags = codec.codec_id | (elem << 8)  # type: ignore[union-attr]  # stored is None without a codec
+    check = _checksum(ns32, key32, stored, pad=False) + xxhash.xxh3_128_digest(page)
+    return _HEADER.pack(MAGIC, PACKED_VERSION, flags, ns32, key32, len(stored), check), stored
+
+
+def unpack_page(blob: bytes | bytearray | memoryview, ns: bytes, key: bytes, dst: memoryview) -> None:
+    """Verify the frame ``blob`` (either version) and write the page it holds into ``dst`` (exactly one
+    page); ``FrameError`` says what did not match. ``dst`` is undefined after an error."""
+    view = memoryview(blob)
+    if len(view) < HEADER_BYTES:
+        raise FrameError("frame shorter than its header")
+    magic, version, flags, f_ns, f_key, length, checksum = _HEADER.unpack_from(view)
+    if magic == MAGIC and version == FRAME_VERSION:
+        dst[:] = decode_frame(view, ns, key, len(dst))
+        return
+    if magic != MAGIC:
+        raise FrameError("bad magic")
+    if version != PACKED_VERSION:
+        raise FrameError(f"unsupported frame version {version}")
+    ns32, key32 = _pad32(ns), _pad32(key)
+    if f_ns != ns32:
+        raise FrameError("foreign namespace")
+    if f_key != key32:
+        raise FrameError("key mismatch")
+    if length != len(view) - HEADER_BYTES or length >= len(dst):
+        raise FrameError("payload length mismatch")
+    payload = view[HEADER_BYTES:]
+    if _checksum(ns32, key32, payload, pad=False) != checksum[:16]:
+        raise FrameError("checksum mismatch")
+    try:
+        codec_for_id(flags & 0xF).decompress_into(payload, flags >> 8, dst)
+    except ValueError as e:
+        raise FrameError(f"undecodable page ({e})") from None
+    if xxhash.xxh3_128_digest(dst) != checksum[16:]:
+        raise FrameError("decoded page checksum mismatch")

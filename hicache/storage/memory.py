@@ -13,7 +13,7 @@ from typing import Any
 
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
-from hicache.storage.frame import FrameError, decode_frame, encode_frame
+from hicache.storage.frame import HEADER_BYTES, FrameError, unpack_page
 
 
 @register_backend("memory")
@@ -45,29 +45,31 @@ class MemoryBackend(StorageBackend):
                 blob = self._data.get(key)
             if blob is None:
                 break
+            dst = memoryview(bytearray(self.ctx.layout.bytes_per_page))
             try:
-                payload = decode_frame(blob, self.ctx.namespace_digest, key, self.ctx.layout.bytes_per_page)
+                unpack_page(blob, self.ctx.namespace_digest, key, dst)
             except FrameError:
                 self._count(corrupt_pages=1)
                 break
-            host_pool.write_page_bytes(int(page), payload)
+            host_pool.write_page_bytes(int(page), dst)
             n += 1
-            self._count(bytes_read=len(payload))
+            self._count(bytes_read=len(dst), stored_bytes_read=len(blob) - HEADER_BYTES)
         self._count(gets=n, get_misses=len(keys) - n)
         return n
 
     def batch_set(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
         self._check_lengths(keys, host_indices)
         for key, page in zip(keys, host_indices, strict=True):
-            payload = host_pool.page_bytes(int(page))
-            blob = encode_frame(payload, self.ctx.namespace_digest, key)
+            payload = memoryview(host_pool.page_bytes(int(page)))
+            header, stored = self.pack(payload, key)
+            blob = header + bytes(stored)
             with self._lock:
                 self._data[key] = blob
                 self._data.move_to_end(key)
                 if self.capacity_pages is not None:
                     while len(self._data) > self.capacity_pages:
                         self._data.popitem(last=False)
-            self._count(sets=1, bytes_written=len(payload))
+            self._count(sets=1, bytes_written=len(payload), stored_bytes_written=len(stored))
         return len(keys)
 
     def delete(self, keys: Sequence[bytes]) -> int:

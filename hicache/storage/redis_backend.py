@@ -75,7 +75,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
-from hicache.storage.frame import HEADER_BYTES, FrameError, decode_frame, encode_header
+from hicache.storage.frame import HEADER_BYTES, FrameError, encode_header, unpack_page
 from hicache.storage.pageio import PageIO
 from hicache.storage.redis_options import RedisOptions, connect
 from hicache.storage.resp import ReplyError, RespReader, bulk_head, pack
@@ -195,8 +195,7 @@ def _noscript(e: BaseException) -> bool:
     return isinstance(e, redis.exceptions.NoScriptError)
 
 
-def _headers(payloads: list[memoryview], ns: bytes, keys: list[bytes]) -> list[bytes]:
-    return [encode_header(p, ns, k) for p, k in zip(payloads, keys, strict=True)]
+Frame = tuple[bytes, bytes | memoryview]  # a page's frame: header, payload as stored
 
 
 @dataclass
@@ -583,19 +582,33 @@ class RedisBackend(StorageBackend):
             return b"\r\n" + pack(b"PX", ms)[4:]  # "$2\r\nPX\r\n$n\r\nms\r\n" (drop the "*2\r\n")
         return b"\r\n"
 
-    def _hash_ahead(self, payloads: list[memoryview], keys: list[bytes]) -> list[tuple[Future[list[bytes]], int]]:
-        """Frame headers computed on the hash threads, ahead of the socket (xxhash releases the GIL for
-        large inputs), in groups of about 1 MiB; returns (future, index in its group) per page."""
-        ns = self.ctx.namespace_digest
-        out: list[tuple[Future[list[bytes]], int]] = []
-        for lo in range(0, len(payloads), self._group):
-            hi = min(lo + self._group, len(payloads))
-            f = self._write_hasher.submit(_headers, payloads[lo:hi], ns, keys[lo:hi])
+    def _frames(self, pages: list[memoryview], keys: list[bytes]) -> list[Frame]:
+        return [self.pack(p, k) for p, k in zip(pages, keys, strict=True)]
+
+    def _hash_ahead(self, pages: list[memoryview], keys: list[bytes]) -> list[tuple[Future[list[Frame]], int]]:
+        """Frames (header, stored payload) made on the hash threads, ahead of the socket (xxhash and the
+        codecs release the GIL for large inputs), in groups of about 1 MiB; returns (future, index in its
+        group) per page."""
+        out: list[tuple[Future[list[Frame]], int]] = []
+        for lo in range(0, len(pages), self._group):
+            hi = min(lo + self._group, len(pages))
+            f = self._write_hasher.submit(self._frames, pages[lo:hi], keys[lo:hi])
             out.extend((f, i - lo) for i in range(lo, hi))
         return out
 
     def _verify_group(self, group: list[tuple[int, bytes, memoryview, bytes]]) -> list[tuple[int, bool]]:
         return [(j, self._verify(h, dst, key)) for j, h, dst, key in group]
+
+    def _unpack(self, blob: bytes | bytearray, key: bytes, dst: memoryview) -> bool:
+        """Verify a compressed frame and decode it into ``dst``."""
+        try:
+            unpack_page(blob, self.ctx.namespace_digest, key, dst)
+        except FrameError:
+            return False
+        return True
+
+    def _unpack_group(self, group: list[tuple[int, bytearray, memoryview, bytes]]) -> list[tuple[int, bool]]:
+        return [(j, self._unpack(blob, key, dst)) for j, blob, dst, key in group]
 
     def batch_set(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
         self._check_lengths(keys, host_indices)
@@ -604,14 +617,16 @@ class RedisBackend(StorageBackend):
         nargs = b"*5\r\n" if self.opts.ttl_s > 0 else b"*3\r\n"
 
         pio = PageIO(host_pool)
+        stored = [0] * len(keys)  # payload bytes as written, by batch position
 
         def node(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
-            payloads = [pio.source(it.page) for it in its]
-            heads = self._hash_ahead(payloads, [it.key for it in its])
+            heads = self._hash_ahead([pio.source(it.page) for it in its], [it.key for it in its])
             if self.opts.wire == "pipeline":
                 p = client.pipeline(transaction=False)
-                for it, pl, h in zip(its, payloads, heads, strict=True):
-                    val = h[0].result()[h[1]] + bytes(pl)
+                for it, h in zip(its, heads, strict=True):
+                    hd, pl = h[0].result()[h[1]]
+                    stored[it.pos] = len(pl)
+                    val = hd + bytes(pl)
                     if asking:
                         p.execute_command("ASKING")
                     if self.opts.ttl_s > 0:
@@ -635,9 +650,11 @@ class RedisBackend(StorageBackend):
 
             def io(conn: Any, sock: Any) -> list[int]:
                 lead = b""
-                for it, pl, h in zip(its, payloads, heads, strict=True):
+                for it, h in zip(its, heads, strict=True):
+                    hd, pl = h[0].result()[h[1]]
+                    stored[it.pos] = len(pl)
                     head = b"".join((lead, ask, nargs, b"$3\r\nSET\r\n", bulk_head(len(it.rkey)), it.rkey,
-                                     b"\r\n", bulk_head(len(pl) + HEADER_BYTES), h[0].result()[h[1]]))
+                                     b"\r\n", bulk_head(len(pl) + HEADER_BYTES), hd))
                     conn.send_packed_command([head, pl], check_health=False)
                     lead = suffix
                 conn.send_packed_command([suffix], check_health=False)
@@ -674,7 +691,7 @@ class RedisBackend(StorageBackend):
             n += 1
         if n < len(res):
             self._count(errors=1)
-        self._count(sets=n, bytes_written=n * self._page_bytes)
+        self._count(sets=n, bytes_written=n * self._page_bytes, stored_bytes_written=sum(stored[:n]))
         return n
 
     # ------------------------------------------------------------------ get
@@ -688,6 +705,7 @@ class RedisBackend(StorageBackend):
         ttl_ms = str(max(1, int(self.opts.ttl_s * 1000))).encode() if self.opts.ttl_s > 0 else b""
         touch = bool(ttl_ms) and self.opts.touch_on_read
         keep = self.opts.delete_corrupt  # note what a damaged page held, for the conditional delete
+        stored = [self._page_bytes] * len(keys)  # payload bytes as read, by batch position
 
         def cmd(it: _Item) -> bytes:
             return pack(b"GETEX", it.rkey, b"PX", ttl_ms) if touch else pack(b"GET", it.rkey)
@@ -719,14 +737,12 @@ class RedisBackend(StorageBackend):
                     elif blob is None:
                         out.append(MISS)
                     else:
-                        try:
-                            pl = decode_frame(blob, self.ctx.namespace_digest, it.key, self._page_bytes)
-                        except FrameError:
+                        dst = pio.target(it.page)
+                        if not self._unpack(blob, it.key, dst):
                             it.damaged = _fingerprint(blob) if keep else None
                             out.append(CORRUPT)
                             continue
-                        dst = pio.target(it.page)
-                        dst[:] = pl
+                        stored[it.pos] = len(blob) - HEADER_BYTES
                         pio.commit(it.page, dst)
                         out.append(OK)
                 return out
@@ -739,6 +755,8 @@ class RedisBackend(StorageBackend):
                 out = [MISS] * len(its)
                 checks: list[Future[list[tuple[int, bool]]]] = []
                 group: list[tuple[int, bytes, memoryview, bytes]] = []
+                packed: list[tuple[int, bytearray, memoryview, bytes]] = []  # compressed frames to decode
+                blobs: dict[int, tuple[bytearray, memoryview]] = {}  # compressed frames read: frame, page
                 held: dict[int, tuple[bytearray, memoryview]] = {}  # zero-copy pages read: header, page
                 errs: list[ReplyError] = []
                 for j, it in enumerate(its):
@@ -756,6 +774,18 @@ class RedisBackend(StorageBackend):
                             errs.append(e)
                         continue
                     if n < 0:
+                        continue
+                    if HEADER_BYTES < n < self._frame_bytes:  # a compressed page: decoded on the hash threads
+                        blob = bytearray(n)
+                        rd.readinto(memoryview(blob))
+                        rd.expect_crlf()
+                        dst = pio.target(it.page)
+                        blobs[j] = (blob, dst)
+                        stored[it.pos] = n - HEADER_BYTES
+                        packed.append((j, blob, dst, it.key))
+                        if len(packed) * n >= 1 << 20:
+                            checks.append(self._hasher.submit(self._unpack_group, packed))
+                            packed = []
                         continue
                     if n != self._frame_bytes:  # wrong size: not one of our pages
                         if keep:
@@ -787,11 +817,15 @@ class RedisBackend(StorageBackend):
                     raise ConnectionError("redis: unexpected extra reply bytes")
                 if group:
                     checks.append(self._hasher.submit(self._verify_group, group))
+                if packed:
+                    checks.append(self._hasher.submit(self._unpack_group, packed))
                 for f in checks:
                     for j, good in f.result():
+                        if good and j in blobs:
+                            pio.commit(its[j].page, blobs[j][1])
                         out[j] = OK if good else CORRUPT
-                        if not good and keep:  # the host page still holds the bytes read
-                            its[j].damaged = _fingerprint(*held[j])
+                        if not good and keep:  # what was read: the frame, or the host page holding it
+                            its[j].damaged = _fingerprint(blobs[j][0]) if j in blobs else _fingerprint(*held[j])
                 self._raise_transient(errs)
                 return out
 
@@ -813,7 +847,8 @@ class RedisBackend(StorageBackend):
             damaged = [it for it in bad if it.damaged is not None]
             if self.opts.delete_corrupt and damaged:
                 self._delete_damaged(damaged)
-        self._count(gets=n, get_misses=len(keys) - n, bytes_read=n * self._page_bytes)
+        self._count(gets=n, get_misses=len(keys) - n, bytes_read=n * self._page_bytes,
+                    stored_bytes_read=sum(stored[:n]))
         return n
 
     # ------------------------------------------------------------------ admin
