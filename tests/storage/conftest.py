@@ -99,8 +99,9 @@ def open_backend() -> Iterator[Callable[..., StorageBackend]]:
     made: list[StorageBackend] = []
 
     def make(url: str, layout: KVLayout = LAYOUT, ns: bytes = NS, host_layout: str = "page_first",
-             **options: Any) -> StorageBackend:
-        b = create_backend(url, StorageContext(ns, layout, host_layout=host_layout), **options)
+             compression: str = "none", **options: Any) -> StorageBackend:
+        ctx = StorageContext(ns, layout, host_layout=host_layout, compression=compression)
+        b = create_backend(url, ctx, **options)
         made.append(b)
         return b
 

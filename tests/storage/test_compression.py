@@ -1,0 +1,264 @@
+"""Lossless L3 compression (``storage.compression``): bit-exact round trips through every backend and
+codec, readers that decode whatever a frame names, and damaged or forged compressed frames as misses."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.cache import HiCache
+from hicache.config import ConfigError, load_config
+from hicache.layout import KVLayout
+from hicache.pool import HostPool
+from hicache.storage.codec import MIN_SAVING, codec_names, make_codec, shuffle, unshuffle_into
+from hicache.storage.file_backend import FileBackend
+from hicache.storage.frame import (
+    _HEADER,
+    FRAME_VERSION,
+    HEADER_BYTES,
+    MAGIC,
+    PACKED_VERSION,
+    FrameError,
+    pack_page,
+    unpack_page,
+)
+from hicache.storage.memory import MemoryBackend
+from kvhelpers import commit_fresh, kv_equal, read_kv, small_config
+from storage.conftest import BACKENDS, NS, page_keys, pages_equal
+from storage.test_backends import flip_stored_byte
+
+CODECS = ["zstd", "lz4"]
+KEY = hashlib.sha256(b"page").digest()
+# bf16 pages of 4 KiB: large enough for a codec's framing to be small next to what it saves
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", page_size=4)
+PAGE = LAYOUT.bytes_per_page
+
+
+def kv_like(n_bytes: int, seed: int, elem: int = 2) -> bytes:
+    """Bytes shaped like a KV page: values of a few magnitudes (compressible high bytes, noisy low ones)."""
+    rng = np.random.default_rng(seed)
+    if elem == 1:
+        return rng.integers(0, 4, n_bytes, dtype=np.uint8).tobytes()
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[elem]
+    x = torch.from_numpy(rng.standard_normal(n_bytes // elem)) * 0.5
+    return x.to(dtype).view(torch.uint8).numpy().tobytes()
+
+
+def kv_pool(n: int, seed: int, host_layout: str = "page_first", incompressible: tuple[int, ...] = ()) -> HostPool:
+    pool = HostPool(LAYOUT, n, host_layout)  # type: ignore[arg-type]
+    for i in range(n):
+        data = np.random.default_rng(seed + i).bytes(PAGE) if i in incompressible else kv_like(PAGE, seed + i)
+        pool.write_page_bytes(i, data)
+    return pool
+
+
+def empty_pool(n: int, host_layout: str = "page_first") -> HostPool:
+    pool = HostPool(LAYOUT, n, host_layout)  # type: ignore[arg-type]
+    pool.buffer.view(torch.uint8).zero_()
+    return pool
+
+
+# ----------------------------------------------------------------------------------------- frames
+
+
+@settings(max_examples=60, deadline=None)
+@given(codec=st.sampled_from(CODECS), elem=st.sampled_from([1, 2, 4, 8]), words=st.integers(1, 600),
+       seed=st.integers(0, 2**32 - 1), noise=st.booleans())
+def test_any_page_round_trips_bit_exact(codec: str, elem: int, words: int, seed: int, noise: bool) -> None:
+    n = words * 8  # whole elements of every size
+    page = np.random.default_rng(seed).bytes(n) if noise else kv_like(n, seed, elem)
+    header, payload = pack_page(memoryview(page), NS, KEY, make_codec(codec), elem)
+    version = struct.unpack_from("<H", header, 4)[0]
+    if version == PACKED_VERSION:
+        assert len(payload) <= n * (1 - MIN_SAVING)  # stored compressed only where it saves space
+    else:
+        assert version == FRAME_VERSION and bytes(payload) == page  # stored as it is
+    out = bytearray(n)
+    unpack_page(header + bytes(payload), NS, KEY, memoryview(out))
+    assert bytes(out) == page
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_kv_pages_are_stored_smaller_and_noise_as_it_is(codec: str) -> None:
+    page = kv_like(PAGE, 1)
+    header, payload = pack_page(memoryview(page), NS, KEY, make_codec(codec), 2)
+    assert _HEADER.unpack(header)[1] == PACKED_VERSION and len(payload) <= PAGE * (1 - MIN_SAVING)
+    noise = np.random.default_rng(2).bytes(PAGE)
+    header, payload = pack_page(memoryview(noise), NS, KEY, make_codec(codec), 2)
+    assert _HEADER.unpack(header)[1] == FRAME_VERSION and payload.obj is noise if isinstance(payload, memoryview) \
+        else payload == noise
+
+
+@pytest.mark.parametrize("elem", [2, 4, 8])
+def test_shuffle_and_unshuffle_are_inverse(elem: int) -> None:
+    page = np.random.default_rng(elem).bytes(64 * elem)
+    planes = shuffle(memoryview(page), elem)
+    assert planes.reshape(elem, -1)[1].tobytes() == page[1::elem]  # plane k: byte k of every element
+    out = bytearray(len(page))
+    unshuffle_into(planes, elem, memoryview(out))
+    assert bytes(out) == page
+
+
+def _frame(codec: str = "zstd", seed: int = 3) -> bytes:
+    page = kv_like(PAGE, seed)
+    header, payload = pack_page(memoryview(page), NS, KEY, make_codec(codec), 2)
+    assert _HEADER.unpack(header)[1] == PACKED_VERSION
+    return header + bytes(payload)
+
+
+@settings(max_examples=80, deadline=None)
+@given(codec=st.sampled_from(CODECS), where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
+def test_any_flipped_bit_of_a_compressed_frame_is_refused(codec: str, where: float, bit: int) -> None:
+    blob = bytearray(_frame(codec))
+    blob[int(where * len(blob))] ^= 1 << bit
+    with pytest.raises(FrameError):
+        unpack_page(blob, NS, KEY, memoryview(bytearray(PAGE)))
+
+
+def _forge(stored: bytes, flags: int, decoded_check: bytes, ns: bytes = NS, key: bytes = KEY) -> bytes:
+    """A version 3 frame whose stored bytes carry a valid checksum, whatever they decode to."""
+    h = xxhash.xxh3_128()
+    for part in (ns, key, stored):
+        h.update(part)
+    return _HEADER.pack(MAGIC, PACKED_VERSION, flags, ns, key, len(stored), h.digest() + decoded_check) + stored
+
+
+def test_forged_frames_with_valid_stored_checksums_are_refused() -> None:
+    page = kv_like(PAGE, 4)
+    zstd = make_codec("zstd")
+    real = zstd.compress(memoryview(page), 2)
+    assert real is not None
+    good = xxhash.xxh3_128_digest(page)
+    dst = memoryview(bytearray(PAGE))
+    unpack_page(_forge(real, 1 | 2 << 8, good), NS, KEY, dst)  # the forger's frame itself decodes
+    assert bytes(dst) == page
+    cases = {
+        "decoded page checksum mismatch": _forge(zstd.compress(memoryview(kv_like(PAGE, 5)), 2) or b"", 1 | 2 << 8,
+                                                 good),  # another page's stream under this page's checksum
+        "decoded page checksum": _forge(real, 1 | 4 << 8, good),  # the wrong shuffle decodes to other bytes
+        "unknown codec id": _forge(real, 9 | 2 << 8, good),
+        "bad shuffle element size": _forge(real, 1 | 3 << 8, good),
+        "payload length mismatch": _forge(b"\0" * PAGE, 1 | 2 << 8, good),  # not smaller than a page
+    }
+    # an LZ4 stream of a shorter page: the codec pads its output, only the second checksum catches it
+    short = make_codec("lz4")._codec.compress(shuffle(memoryview(page[:-64]), 2).tobytes(), asbytes=True)  # type: ignore[attr-defined]
+    cases["lz4-short"] = _forge(short, 2 | 2 << 8, good)
+    for what, blob in cases.items():
+        with pytest.raises(FrameError) as e:
+            unpack_page(blob, NS, KEY, memoryview(bytearray(PAGE)))
+        if not what.startswith("lz4"):
+            assert what in str(e.value), (what, str(e.value))
+    with pytest.raises(FrameError, match="foreign namespace"):
+        unpack_page(_forge(real, 1 | 2 << 8, good, ns=bytes(32)), NS, KEY, memoryview(bytearray(PAGE)))
+    with pytest.raises(FrameError, match="key mismatch"):
+        unpack_page(_forge(real, 1 | 2 << 8, good, key=bytes(32)), NS, KEY, memoryview(bytearray(PAGE)))
+
+
+def test_codec_names_and_bad_settings_are_clear_errors() -> None:
+    assert {"none", "zstd", "lz4"} <= set(codec_names())
+    with pytest.raises(ValueError, match=r"storage.compression: unknown codec 'brotli'"):
+        make_codec("brotli")
+    with pytest.raises(ConfigError, match="storage.compression"):
+        load_config(overrides={"storage": {"compression": "brotli"}})
+    with pytest.raises(ConfigError, match="storage.compression_level"):
+        load_config(overrides={"storage": {"compression": "zstd", "compression_level": 99}})
+
+
+# ----------------------------------------------------------------------------------------- backends
+
+
+@pytest.mark.parametrize("backend_url", BACKENDS, indirect=True)
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])
+def test_compressed_pages_round_trip_through_every_backend_and_any_reader(backend_url, open_backend, codec: str,
+                                                                          host_layout: str) -> None:
+    url, opts = backend_url
+    writer = open_backend(url, layout=LAYOUT, host_layout=host_layout, compression=codec, **opts)
+    n = 24
+    src = kv_pool(n, 10, host_layout, incompressible=(5, 6, 17))  # both kinds of frame in one batch
+    keys = page_keys(n, f"c-{codec}-{host_layout}")
+    assert writer.batch_set(keys, src, list(range(n))) == n
+    ws = writer.stats()
+    assert ws.bytes_written == n * PAGE
+    assert ws.stored_bytes_written <= ((n - 3) * (1 - MIN_SAVING) + 3) * PAGE  # KV-like pages shrink ...
+    assert ws.stored_bytes_written > 3 * PAGE  # ... and the three of noise were stored as they are
+    for reader_codec in ("none", "zstd" if codec == "lz4" else "lz4"):  # readers decode whatever frames name
+        if url == "memory://":
+            reader = writer
+        else:
+            reader = open_backend(url, layout=LAYOUT, host_layout=host_layout, compression=reader_codec, **opts)
+        dst = empty_pool(n, host_layout)
+        where = list(range(n - 1, -1, -1))
+        before = reader.stats()
+        assert reader.batch_get(keys, dst, where) == n
+        assert pages_equal(src, dst, list(range(n)), where)
+        after = reader.stats()
+        assert after.bytes_read - before.bytes_read == n * PAGE
+        assert after.stored_bytes_read - before.stored_bytes_read == ws.stored_bytes_written
+        assert after.corrupt_pages == 0
+
+
+@pytest.mark.parametrize("backend_url", BACKENDS, indirect=True)
+def test_a_damaged_compressed_page_is_a_counted_miss(backend_url, open_backend) -> None:
+    url, opts = backend_url
+    b = open_backend(url, layout=LAYOUT, compression="zstd", **opts)
+    src, dst = kv_pool(6, 20), empty_pool(6)
+    keys = page_keys(6, "cflip")
+    assert b.batch_set(keys, src, list(range(6))) == 6
+    flip_stored_byte(b, keys[3], HEADER_BYTES + 100)  # inside the compressed payload
+    assert b.batch_get(keys, dst, list(range(6))) == 3  # stops at the damaged page, never returns it
+    assert pages_equal(src, dst, [0, 1, 2], [0, 1, 2])
+    assert b.stats().corrupt_pages == 1
+    if not isinstance(b, MemoryBackend):  # the damaged value is deleted (delete_corrupt): next time a plain miss
+        assert b.batch_exists(keys) == 3
+
+
+def test_file_store_size_cap_counts_stored_bytes(tmp_path: Path, open_backend) -> None:
+    b = open_backend(f"file://{tmp_path}", layout=LAYOUT, compression="zstd")
+    assert isinstance(b, FileBackend)
+    src = kv_pool(10, 30)
+    assert b.batch_set(page_keys(10, "cap"), src, list(range(10))) == 10
+    on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.page"))
+    assert b.stored_bytes == on_disk == b.stats().stored_bytes_written + 10 * HEADER_BYTES
+    assert on_disk < 10 * (PAGE + HEADER_BYTES) * 0.9
+
+
+def test_the_cache_serves_compressed_l3_pages_and_exports_the_ratio(tmp_path: Path) -> None:
+    layout = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16", "page_size": 4}
+    cfg = small_config(layout=layout, cache={"write_policy": "write_through"},
+                       storage={"url": f"file://{tmp_path}", "compression": "zstd"})
+    cache = HiCache(cfg)
+    try:
+        assert cache.storage is not None and cache.storage.codec.name == "zstd"
+        tokens = list(range(1, 33))  # 8 pages
+        kv = commit_fresh(cache, tokens, seed=7)
+        rep = cache.flush(10)
+        assert rep is not None and rep.complete and rep.written_pages == 8
+        cache.evict(l1_pages=8, l2_pages=8)
+        req = cache.match(tokens)
+        assert req.l3_pages == 8
+        assert cache.prefetch(req) == 8
+        load = cache.load_back(req)
+        load.wait()
+        assert kv_equal(read_kv(cache, load.device_indices), kv)  # bit for bit
+        cache.release(req)
+        cache.check_integrity()
+
+        def metric(name: str) -> float:
+            return cache.metrics.registry.get_sample_value(name) or 0.0
+
+        written = metric("hicache_storage_written_bytes_total")
+        stored = metric("hicache_storage_stored_written_bytes_total")
+        assert written == 8 * cache.layout.bytes_per_page and 0 < stored < 0.9 * written
+        assert metric("hicache_storage_stored_read_bytes_total") == stored
+        assert metric("hicache_storage_read_bytes_total") == written
+    finally:
+        cache.close()
