@@ -28,6 +28,7 @@ from hicache.config import (
 from hicache.eviction import policy_names
 from hicache.layout import DTYPES, HOST_LAYOUTS
 from hicache.router.config import INDEX_MODES
+from hicache.storage.codec import codec_names
 from hicache.router.scoring import policy_names as router_policy_names
 
 SCHEMA_PATH = Path(__file__).resolve().parent / "hicache" / "values.schema.json"
@@ -123,7 +124,8 @@ def config_schema() -> Schema:
             "prefetch_timeout_base_s": number(0), "prefetch_timeout_per_1k_tokens_s": number(0),
             "prefetch_timeout_max_s": number(0), "prefetch_max_inflight_bytes": integer(1),
             "io_batch_pages": integer(1), "writeback_queue_pages": integer(1),
-            "writeback_when_full": enum(["block", "drop"]), "options": ANY_OBJECT},
+            "writeback_when_full": enum(["block", "drop"]), "compression": enum(codec_names()),
+            "compression_level": integer(-7, 22), "options": ANY_OBJECT},
             description="storage.url comes from redis.* / externalStorage.* (an external URL through the Secret)"),
         "serve": obj({
             "max_concurrency": integer(1), "max_message_bytes": integer(1 << 20), "max_request_tokens": integer(1),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from urllib.parse import urlparse
 
 from hicache.layout import KVLayout
 from hicache.pool import HostPool
-from hicache.storage.codec import make_codec
+from hicache.storage.codec import PageCodec, make_codec
 from hicache.storage.frame import pack_page
 
 
@@ -87,8 +88,18 @@ class StorageBackend(abc.ABC):
         self.options = options
         self._stats = StorageStats()
         self._stats_lock = threading.Lock()
-        self.codec = make_codec(ctx.compression, ctx.compression_level)
-        self.elem = ctx.layout.element_size  # the byte shuffle's element size
+        if ctx is not None:  # (an unknown codec is refused here, before any connection)
+            _ = self.codec
+
+    @functools.cached_property
+    def codec(self) -> PageCodec:
+        """The codec pages are written with (``storage.compression``)."""
+        return make_codec(self.ctx.compression, self.ctx.compression_level)
+
+    @functools.cached_property
+    def elem(self) -> int:
+        """The byte shuffle's element size: the KV dtype's."""
+        return self.ctx.layout.element_size
 
     def pack(self, page: memoryview, key: bytes) -> tuple[bytes, bytes | memoryview]:
         """One page's frame as (header, payload), compressed with ``storage.compression`` where that saves

@@ -164,11 +164,11 @@ def test_forged_frames_with_valid_stored_checksums_are_refused() -> None:
 
 def test_codec_names_and_bad_settings_are_clear_errors() -> None:
     assert {"none", "zstd", "lz4"} <= set(codec_names())
-    with pytest.raises(ValueError, match=r"storage.compression: unknown codec 'brotli'"):
+    with pytest.raises(ValueError, match=r"storage\.compression: unknown codec 'brotli'"):
         make_codec("brotli")
-    with pytest.raises(ConfigError, match="storage.compression"):
+    with pytest.raises(ConfigError, match=r"storage\.compression"):
         load_config(overrides={"storage": {"compression": "brotli"}})
-    with pytest.raises(ConfigError, match="storage.compression_level"):
+    with pytest.raises(ConfigError, match=r"storage\.compression_level"):
         load_config(overrides={"storage": {"compression": "zstd", "compression_level": 99}})
 
 
