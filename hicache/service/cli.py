@@ -34,6 +34,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "shutdown_grace_s": ("serve", "shutdown_grace_s"),
     "shared_pool": ("serve", "shared_pool"),
     "storage_url": ("storage", "url"),
+    "compression": ("storage", "compression"),
     "device": ("cache", "device"),
     "l1_tokens": ("cache", "l1_tokens"),
     "l2_tokens": ("cache", "l2_tokens"),
@@ -63,6 +64,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--shared-pool", action=argparse.BooleanOptionalAction, default=None,
                    help="share the L1 pool with clients on this host (shared memory / CUDA IPC)")
     g.add_argument("--storage-url", help="L3 store: memory://, redis://..., file:///path, ... ('' disables)")
+    g.add_argument("--compression", help="L3 page compression, lossless: none | zstd | lz4 (default: none)")
     g.add_argument("--device", help="L1 device: cpu | cuda[:N]")
     g.add_argument("--l1-tokens", type=int)
     g.add_argument("--l2-tokens", type=int)

@@ -18,11 +18,13 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"serve": {"port": 6000, "max_concurrency": 8, "auth_token": "from-file"},
                                     "cache": {"l1_tokens": 8192}}))
     args = build_parser("serve").parse_args(["serve", "--config", str(path), "--port", "7000",
-                                             "--no-shared-pool", "--storage-url", "memory://", "--l2-tokens", "0"])
+                                             "--no-shared-pool", "--storage-url", "memory://", "--l2-tokens", "0",
+                                             "--compression", "zstd"])
     cfg = load_config(args.config, env={}, overrides=overrides_from_args(args))
     assert cfg.serve.port == 7000 and cfg.serve.shared_pool is False
     assert cfg.serve.max_concurrency == 8 and cfg.serve.auth_token == "from-file"  # from the file
     assert cfg.cache.l1_tokens == 8192 and cfg.cache.l2_tokens == 0 and cfg.storage.url == "memory://"
+    assert cfg.storage.compression == "zstd"
 
 
 def test_bad_values_are_config_errors(tmp_path: Path) -> None:
@@ -31,6 +33,9 @@ def test_bad_values_are_config_errors(tmp_path: Path) -> None:
         run(args)
     args = build_parser("serve").parse_args(["serve", "--request-ttl-s", "0"])
     with pytest.raises(ConfigError, match="request-ttl-s"):
+        run(args)
+    args = build_parser("serve").parse_args(["serve", "--compression", "gzip"])
+    with pytest.raises(ConfigError, match=r"storage\.compression"):
         run(args)
 
 
