@@ -142,6 +142,14 @@ def _f(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _stored(s: dict[str, Any]) -> str:
+    """How L3 stores the pages written, when compression saved space."""
+    written, stored = s.get("storage_bytes_written", 0), s.get("storage_stored_bytes_written", 0)
+    if not stored or stored >= written:
+        return ""
+    return f"; L3 pages stored compressed {written / stored:.2f}x ({stored} of {written} bytes)"
+
+
 def render(view: dict[str, Any], target: str) -> str:
     """The human-readable form of a view (plain text, one screen)."""
     if view["kind"] == "node":
@@ -156,7 +164,7 @@ def render(view: dict[str, Any], target: str) -> str:
                  f"matches (L1 {_f(by['l1'])}, L2 {_f(by['l2'])}, L3 {_f(by['l3'])})",
                  f"  L3 {s['storage_pages_written']} pages written, {s['storage_pages_read']} read, "
                  f"{s['storage_errors']} errors, {s['storage_corrupt_pages']} corrupt; writeback queue "
-                 f"{s['writeback_queue_pages']} pages",
+                 f"{s['writeback_queue_pages']} pages" + _stored(s),
                  f"  {s['open_requests']} open requests; {s['pins']} pins holding {s['pinned_l1_pages']} L1 / "
                  f"{s['pinned_l2_pages']} L2 pages; event sequence {s['event_sequence']}"]
         iv = view.get("interval")

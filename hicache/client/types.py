@@ -178,6 +178,15 @@ class Stats:
     pins: int  # prefixes pinned (Pin)
     pinned_l1_pages: int  # pages the pins hold on L1 (overlapping pins count each time)
     pinned_l2_pages: int  # pages the pins hold on L2 (likewise)
+    storage_bytes_written: int = 0  # page bytes the L3 store took
+    storage_stored_bytes_written: int = 0  # the same pages as stored (storage.compression)
+
+    @property
+    def storage_compression_ratio(self) -> float:
+        """Page bytes written to L3 over the bytes stored for them (1.0: stored as they are, or none yet)."""
+        if not self.storage_stored_bytes_written:
+            return 1.0
+        return self.storage_bytes_written / self.storage_stored_bytes_written
 
     @property
     def hit_rate(self) -> float:

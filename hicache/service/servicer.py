@@ -542,6 +542,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             storage_pages_written=storage.sets if storage else 0, storage_pages_read=storage.gets if storage else 0,
             storage_errors=storage.errors if storage else 0,
             storage_corrupt_pages=storage.corrupt_pages if storage else 0,
+            storage_bytes_written=storage.bytes_written if storage else 0,
+            storage_stored_bytes_written=storage.stored_bytes_written if storage else 0,
             pins=st["pins"], pinned_l1_pages=st["pinned_l1_pages"], pinned_l2_pages=st["pinned_l2_pages"],
         )
 

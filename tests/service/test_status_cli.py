@@ -180,3 +180,29 @@ def test_help_lists_status(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["status", "--help"])
     assert "ListNodes" in capsys.readouterr().out
+
+
+def test_status_shows_how_a_compressing_node_stores_its_l3_pages(server_factory: Callable[..., ServerProc],
+                                                                  tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """With ``storage.compression`` the node's Stats carry page bytes and stored bytes, and status shows the
+    ratio; a node that stores pages as they are shows none."""
+    url = f"file://{tmp_path / 'l3'}"
+    for codec in ("zstd", "none"):
+        srv = server_factory(cache={"write_policy": "write_through"}, storage={"url": url, "compression": codec})
+        traffic(srv.target)
+        with HiCacheClient(srv.target) as c:
+            assert c.flush().complete
+            st = c.stats()
+        assert st.storage_pages_written > 0
+        page_bytes = st.storage_bytes_written // st.storage_pages_written
+        assert st.storage_bytes_written == st.storage_pages_written * page_bytes
+        rc, out, _ = status(capsys, srv.target)
+        assert rc == 0
+        if codec == "zstd":
+            assert 0 < st.storage_stored_bytes_written < st.storage_bytes_written
+            assert st.storage_compression_ratio > 1
+            assert f"L3 pages stored compressed {st.storage_compression_ratio:.2f}x" in out
+        else:
+            assert st.storage_stored_bytes_written == st.storage_bytes_written and st.storage_compression_ratio == 1
+            assert "compressed" not in out

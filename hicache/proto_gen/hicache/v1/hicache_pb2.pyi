@@ -157,7 +157,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("l1_pages_total", "l1_pages_used", "l1_pages_cached", "l1_pages_locked", "l2_pages_total", "l2_pages_used", "l2_pages_cached", "writeback_queue_pages", "lookups", "lookup_tokens", "hit_tokens_l1", "hit_tokens_l2", "hit_tokens_l3", "open_requests", "event_sequence", "storage_pages_written", "storage_pages_read", "storage_errors", "storage_corrupt_pages", "pins", "pinned_l1_pages", "pinned_l2_pages")
+    __slots__ = ("l1_pages_total", "l1_pages_used", "l1_pages_cached", "l1_pages_locked", "l2_pages_total", "l2_pages_used", "l2_pages_cached", "writeback_queue_pages", "lookups", "lookup_tokens", "hit_tokens_l1", "hit_tokens_l2", "hit_tokens_l3", "open_requests", "event_sequence", "storage_pages_written", "storage_pages_read", "storage_errors", "storage_corrupt_pages", "pins", "pinned_l1_pages", "pinned_l2_pages", "storage_bytes_written", "storage_stored_bytes_written")
     L1_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     L1_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
     L1_PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,8 @@ class StatsResponse(_message.Message):
     PINS_FIELD_NUMBER: _ClassVar[int]
     PINNED_L1_PAGES_FIELD_NUMBER: _ClassVar[int]
     PINNED_L2_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_STORED_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     l1_pages_total: int
     l1_pages_used: int
     l1_pages_cached: int
@@ -202,7 +204,9 @@ class StatsResponse(_message.Message):
     pins: int
     pinned_l1_pages: int
     pinned_l2_pages: int
-    def __init__(self, l1_pages_total: _Optional[int] = ..., l1_pages_used: _Optional[int] = ..., l1_pages_cached: _Optional[int] = ..., l1_pages_locked: _Optional[int] = ..., l2_pages_total: _Optional[int] = ..., l2_pages_used: _Optional[int] = ..., l2_pages_cached: _Optional[int] = ..., writeback_queue_pages: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens_l1: _Optional[int] = ..., hit_tokens_l2: _Optional[int] = ..., hit_tokens_l3: _Optional[int] = ..., open_requests: _Optional[int] = ..., event_sequence: _Optional[int] = ..., storage_pages_written: _Optional[int] = ..., storage_pages_read: _Optional[int] = ..., storage_errors: _Optional[int] = ..., storage_corrupt_pages: _Optional[int] = ..., pins: _Optional[int] = ..., pinned_l1_pages: _Optional[int] = ..., pinned_l2_pages: _Optional[int] = ...) -> None: ...
+    storage_bytes_written: int
+    storage_stored_bytes_written: int
+    def __init__(self, l1_pages_total: _Optional[int] = ..., l1_pages_used: _Optional[int] = ..., l1_pages_cached: _Optional[int] = ..., l1_pages_locked: _Optional[int] = ..., l2_pages_total: _Optional[int] = ..., l2_pages_used: _Optional[int] = ..., l2_pages_cached: _Optional[int] = ..., writeback_queue_pages: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens_l1: _Optional[int] = ..., hit_tokens_l2: _Optional[int] = ..., hit_tokens_l3: _Optional[int] = ..., open_requests: _Optional[int] = ..., event_sequence: _Optional[int] = ..., storage_pages_written: _Optional[int] = ..., storage_pages_read: _Optional[int] = ..., storage_errors: _Optional[int] = ..., storage_corrupt_pages: _Optional[int] = ..., pins: _Optional[int] = ..., pinned_l1_pages: _Optional[int] = ..., pinned_l2_pages: _Optional[int] = ..., storage_bytes_written: _Optional[int] = ..., storage_stored_bytes_written: _Optional[int] = ...) -> None: ...
 
 class FlushRequest(_message.Message):
     __slots__ = ("timeout_s",)
