@@ -132,10 +132,13 @@ def loadback(tokens: int, bytes_: int) -> dict[Key, float]:
 
 def storage(read: int = 0, misses: int = 0, written: int = 0, corrupt: int = 0, errors: int = 0,
             page_bytes: int = 0) -> dict[Key, float]:
+    """The L3 counters (pages stored as they are: no ``storage.compression``)."""
     return {key("hicache_storage_pages_read_total"): read, key("hicache_storage_page_misses_total"): misses,
             key("hicache_storage_pages_written_total"): written,
             key("hicache_storage_read_bytes_total"): read * page_bytes,
             key("hicache_storage_written_bytes_total"): written * page_bytes,
+            key("hicache_storage_stored_read_bytes_total"): read * page_bytes,
+            key("hicache_storage_stored_written_bytes_total"): written * page_bytes,
             key("hicache_storage_corrupt_pages_total"): corrupt, key("hicache_storage_errors_total"): errors}
 
 

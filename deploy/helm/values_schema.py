@@ -27,8 +27,8 @@ from hicache.config import (
 )
 from hicache.eviction import policy_names
 from hicache.layout import DTYPES, HOST_LAYOUTS
+from hicache.page_codec import codec_names
 from hicache.router.config import INDEX_MODES
-from hicache.storage.codec import codec_names
 from hicache.router.scoring import policy_names as router_policy_names
 
 SCHEMA_PATH = Path(__file__).resolve().parent / "hicache" / "values.schema.json"

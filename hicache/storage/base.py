@@ -32,8 +32,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from hicache.layout import KVLayout
+from hicache.page_codec import PageCodec, make_codec
 from hicache.pool import HostPool
-from hicache.storage.codec import PageCodec, make_codec
 from hicache.storage.frame import pack_page
 
 
@@ -53,7 +53,7 @@ class StorageContext:
     tp_rank: int = 0
     tp_size: int = 1
     host_layout: str = "page_first"
-    compression: str = "none"  # the codec pages are written with (:mod:`hicache.storage.codec`); reads take any
+    compression: str = "none"  # the codec pages are written with (:mod:`hicache.page_codec`); reads take any
     compression_level: int = 0  # 0: the codec's default
 
     @property

@@ -4,7 +4,7 @@ Layout (little-endian)::
 
     magic    4s   b"HKV1"
     version  u16  2 (the page as it is) or 3 (the page compressed)
-    flags    u16  0 (version 2); version 3: codec id (bits 0-3) | shuffle element size << 8
+    flags    u16  0 (version 2); version 3: codec id (low byte) | shuffle element size << 8
     ns       32s  namespace digest (model, revision, layout, TP shard, tenant)
     key      32s  page key
     length   u64  payload bytes (as stored)
@@ -12,7 +12,7 @@ Layout (little-endian)::
                   XXH3-128 of the decompressed page
     payload  length bytes
 
-Version 3 frames hold a page compressed by a lossless codec (:mod:`hicache.storage.codec`); they are
+Version 3 frames hold a page compressed by a lossless codec (:mod:`hicache.page_codec`); they are
 written only when compression saves space, so a store holds both versions. The first checksum guards the
 stored bytes (damage is caught before anything is decompressed), the second the page they decode to, so
 a codec that decoded wrongly could not hand out a wrong page either. Readers decode whatever codec a
@@ -34,7 +34,7 @@ import struct
 
 import xxhash
 
-from hicache.storage.codec import PageCodec, codec_for_id
+from hicache.page_codec import PageCodec, codec_for_id
 
 MAGIC = b"HKV1"
 FRAME_VERSION = 2  # a page as it is
@@ -75,11 +75,13 @@ def decode_frame(blob: bytes | memoryview, ns: bytes, key: bytes, expected_len: 
     view = memoryview(blob)
     if len(view) < HEADER_BYTES:
         raise FrameError("frame shorter than its header")
-    magic, version, _flags, f_ns, f_key, length, checksum = _HEADER.unpack_from(view)
+    magic, version, flags, f_ns, f_key, length, checksum = _HEADER.unpack_from(view)
     if magic != MAGIC:
         raise FrameError("bad magic")
     if version != FRAME_VERSION:
         raise FrameError(f"unsupported frame version {version}")
+    if flags:  # (no flag is defined for a page stored as it is: a set bit is damage)
+        raise FrameError(f"unknown flags {flags:#x}")
     ns32, key32 = _pad32(ns), _pad32(key)
     if f_ns != ns32:
         raise FrameError("foreign namespace")
@@ -132,7 +134,7 @@ def unpack_page(blob: bytes | bytearray | memoryview, ns: bytes, key: bytes, dst
     if _checksum(ns32, key32, payload, pad=False) != checksum[:16]:
         raise FrameError("checksum mismatch")
     try:
-        codec_for_id(flags & 0xF).decompress_into(payload, flags >> 8, dst)
+        codec_for_id(flags & 0xFF).decompress_into(payload, flags >> 8, dst)
     except ValueError as e:
         raise FrameError(f"undecodable page ({e})") from None
     if xxhash.xxh3_128_digest(dst) != checksum[16:]:

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from hicache.cache import HiCache
 from hicache.config import ConfigError, load_config
 from hicache.layout import KVLayout
+from hicache.page_codec import MIN_SAVING, codec_names, make_codec, shuffle, unshuffle_into
 from hicache.pool import HostPool
-from hicache.storage.codec import MIN_SAVING, codec_names, make_codec, shuffle, unshuffle_into
 from hicache.storage.file_backend import FileBackend
 from hicache.storage.frame import (
     _HEADER,
@@ -121,6 +121,20 @@ def test_any_flipped_bit_of_a_compressed_frame_is_refused(codec: str, where: flo
     blob[int(where * len(blob))] ^= 1 << bit
     with pytest.raises(FrameError):
         unpack_page(blob, NS, KEY, memoryview(bytearray(PAGE)))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_every_flipped_header_bit_is_refused(codec: str) -> None:
+    """Flags too: a bit the decoder would ignore is damage all the same (every header bit is checked)."""
+    frame = _frame(codec)
+    raw = pack_page(memoryview(np.random.default_rng(0).bytes(PAGE)), NS, KEY, make_codec(codec), 2)
+    for blob in (frame, raw[0] + bytes(raw[1])):  # a compressed frame, and a page stored as it is
+        for i in range(HEADER_BYTES):
+            for bit in range(8):
+                bad = bytearray(blob)
+                bad[i] ^= 1 << bit
+                with pytest.raises(FrameError):
+                    unpack_page(bad, NS, KEY, memoryview(bytearray(PAGE)))
 
 
 def _forge(stored: bytes, flags: int, decoded_check: bytes, ns: bytes = NS, key: bytes = KEY) -> bytes:

@@ -54,9 +54,9 @@ _BY_ID: dict[int, type[PageCodec]] = {}
 
 def register_codec(name: str, codec_id: int) -> Callable[[type[PageCodec]], type[PageCodec]]:
     """Decorator: make a :class:`PageCodec` subclass selectable as ``storage.compression: <name>``.
-    ``codec_id`` (1..15) is what frames record; it must never be reused for another format."""
-    if not 0 <= codec_id <= 15:
-        raise ValueError(f"codec id must be in [0, 15], got {codec_id}")
+    ``codec_id`` (1..255) is what frames record; it must never be reused for another format."""
+    if not 0 <= codec_id <= 255:
+        raise ValueError(f"codec id must be in [0, 255], got {codec_id}")
 
     def deco(cls: type[PageCodec]) -> type[PageCodec]:
         if _BY_ID.get(codec_id, cls) is not cls:
