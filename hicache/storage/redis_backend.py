@@ -39,8 +39,10 @@ per call (``EVALSHA``, sent again as ``EVAL`` where a node answers ``NOSCRIPT``)
 only if its length and SHA1 are still those of the value read; a value of another type only while the
 key still holds something other than a string. Anything else there (a good rewrite, other damage) is
 left alone. ``extra["corrupt_deleted"]`` counts the values actually deleted. A store that refuses
-scripts keeps its damaged values (an error counted per batch; each read of one is a counted miss, and
-the next write of the page replaces it).
+scripts (an ACL without ``@scripting``, ``EVAL`` renamed away: managed services often do) gets the same
+conditional delete as an optimistic transaction instead, one key at a time: ``WATCH`` the key, read it,
+compare, then ``MULTI`` / ``DEL`` / ``EXEC``, which the server refuses if the key changed after the
+``WATCH``. The first refusal is logged once; the backend then goes straight to transactions.
 
 Failure model: every operation is retried on transient errors (connection, timeout, waiting longer than
 ``timeout_s`` for a connection, MOVED / LOADING / ...) with backoff; when it still fails the error is
@@ -188,6 +190,20 @@ def _skip_fingerprint(rd: RespReader, n: int) -> tuple[int, bytes]:
     return n, h.hexdigest().encode()
 
 
+def _scripts_refused(e: BaseException) -> bool:
+    """The store refuses Lua scripts: ``NOPERM`` (an ACL without ``@scripting``) or an unknown ``EVAL``
+    / ``EVALSHA`` (renamed away)."""
+    if isinstance(e, ReplyError):
+        kind, text = e.kind, str(e)
+    elif isinstance(e, redis.exceptions.ResponseError):
+        text = str(e)
+        kind = "NOPERM" if isinstance(e, redis.exceptions.NoPermissionError) else text.split(" ", 1)[0]
+    else:
+        return False
+    low = text.lower()
+    return kind == "NOPERM" or ("unknown command" in low and "eval" in low)
+
+
 def _noscript(e: BaseException) -> bool:
     """A ``NOSCRIPT`` reply: the node has no script of that SHA1 cached (an ``EVAL`` caches it)."""
     if isinstance(e, ReplyError):
@@ -243,6 +259,7 @@ class RedisBackend(StorageBackend):
         self._hasher = io_pool(hash_threads, "hicache-redis-hash")  # reads: verification on a request's path
         self._write_hasher = io_pool(max(1, hash_threads // 2), "hicache-redis-write-hash", o.write_nice)
         self._group = max(1, (1 << 20) // self._page_bytes)  # pages per hashing task
+        self._no_scripts = False  # the store refused scripts once: conditional deletes use transactions
         self._client, cluster_args = connect(u, o, rest)
         self._cluster_args = cluster_args or {}
 
@@ -562,7 +579,7 @@ class RedisBackend(StorageBackend):
         evalsha = self._ints(args(b"EVALSHA", _DELETE_DAMAGED_SHA))
         eval_ = self._ints(args(b"EVAL", _DELETE_DAMAGED))
 
-        def node(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
+        def scripted(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
             out = evalsha(client, its, asking)
             again = [j for j, r in enumerate(out) if r == NOSCRIPT]
             if again:  # the node has not cached the script (restarted, flushed, new): EVAL caches it
@@ -570,10 +587,53 @@ class RedisBackend(StorageBackend):
                     out[j] = r
             return out
 
+        def node(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
+            if not self._no_scripts:
+                try:
+                    return scripted(client, its, asking)
+                except (ReplyError, redis.exceptions.ResponseError) as e:
+                    if not _scripts_refused(e):
+                        raise
+                    self._no_scripts = True
+                    log.warning("redis: the store refuses scripts (%s); damaged pages are deleted through "
+                                "WATCH / MULTI instead", e)
+            if asking:  # a slot migrating (a transaction would need ASKING before each command): the key
+                return [0] * len(its)  # is left for a later read to find again
+            return [self._watch_delete(client, it) for it in its]
+
         res = self._run(items, node)
         n = 0 if res is None else sum(r == 1 for r in res)
         self._count_extra("corrupt_deleted", n)
         return n
+
+    @staticmethod
+    def _watch_delete(client: redis.Redis, it: _Item) -> int:
+        """``_DELETE_DAMAGED`` as an optimistic transaction, for a store without scripts: 1 when the key
+        still held the damaged value read (``it.damaged``) and was deleted, else 0 (a value written since
+        is left alone, also one written between the check and the delete: ``EXEC`` then fails)."""
+        with client.pipeline(transaction=True) as p:
+            try:
+                p.watch(it.rkey)
+                if it.damaged == _OTHER_TYPE:  # deleted only while it still holds a value of another type
+                    kind = p.type(it.rkey)
+                    same = kind not in (b"none", b"string", "none", "string")
+                else:
+                    try:
+                        value = p.get(it.rkey)
+                    except redis.exceptions.ResponseError:  # WRONGTYPE: something else now
+                        value = None
+                    same = isinstance(value, bytes) and _fingerprint(value) == it.damaged
+                if not same:
+                    p.unwatch()
+                    return 0
+                p.multi()
+                p.delete(it.rkey)
+                return int(p.execute()[0])
+            except redis.exceptions.WatchError:  # written meanwhile: not the value read
+                return 0
+            except redis.exceptions.ResponseError as e:  # MOVED (resharded since the read) and the like
+                log.debug("redis: conditional delete of %r skipped: %s", it.rkey, e)
+                return 0
 
     # ------------------------------------------------------------------ set
     def _set_suffix(self) -> bytes:

@@ -83,22 +83,35 @@ def _damage_redis(b: RedisBackend, key: bytes, kind: str, variant: int = 0) -> N
         c.rpush(rk, b"not a page")
 
 
+def without_scripts(admin: RedisBackend, url: str) -> str:
+    """``url`` as a user whom every master refuses Lua scripts (an ACL without ``@scripting``)."""
+    user, password = "noscripts", "pw-noscripts"
+    for c in admin._all_clients():
+        c.acl_setuser(user, enabled=True, nopass=False, passwords=[f"+{password}"], keys=["*"], channels=["*"],
+                      commands=["+@all", "-@scripting"])
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{user}:{password}@{rest}"
+
+
 @needs_redis
 @pytest.mark.redis
+@pytest.mark.parametrize("scripts", ["allowed", "refused"])
 @pytest.mark.parametrize("kind", ["checksum", "size", "type"])
 @pytest.mark.parametrize(("server", "wire"), REDIS_TARGETS)
 def test_redis_good_rewrite_between_read_and_delete_survives(
         request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, open_backend: Callable[..., StorageBackend],
-        prefix: str, server: str, wire: str, kind: str) -> None:
+        prefix: str, server: str, wire: str, kind: str, scripts: str) -> None:
+    """With scripts refused, the same conditional delete runs as WATCH / MULTI transactions."""
     url = request.getfixturevalue(server).url
-    reader = open_backend(url, prefix=prefix, wire=wire)
     other = open_backend(url, prefix=prefix, wire=wire)
-    assert isinstance(reader, RedisBackend) and isinstance(other, RedisBackend)
+    assert isinstance(other, RedisBackend)
+    reader = open_backend(url if scripts == "allowed" else without_scripts(other, url), prefix=prefix, wire=wire)
+    assert isinstance(reader, RedisBackend)
     src, keys, idx = make_pool(N, seed=21), page_keys(N, f"race-{kind}-{wire}"), list(range(N))
     assert other.batch_set(keys, src, idx) == N
     for i in DAMAGED:
         _damage_redis(other, keys[i], kind)
-    for c in reader._all_clients():  # the first delete on each node finds no script cached: EVAL
+    for c in other._all_clients():  # the first delete on each node finds no script cached: EVAL
         c.script_flush()
 
     def other_node_writes() -> None:
@@ -128,6 +141,7 @@ def test_redis_good_rewrite_between_read_and_delete_survives(
     assert reader.stats().errors == 0
     assert other.batch_set(keys, src, idx) == N and reader.batch_get(keys, got, idx) == N
     assert pages_equal(src, got, idx, idx)
+    assert reader._no_scripts == (scripts == "refused")
 
 
 @needs_redis
@@ -157,6 +171,48 @@ def test_redis_damaged_page_left_alone_is_deleted(redis_single: Any, open_backen
     _damage_redis(keeps, keys[2], "size")
     assert keeps.batch_get(keys, make_pool(4, seed=None), idx) == 2
     assert keeps.stats().corrupt_pages == 1 and keeps.batch_exists(keys) == 4
+
+
+@needs_redis
+@pytest.mark.redis
+@pytest.mark.parametrize("wire", ["raw", "pipeline"])
+def test_redis_without_eval_a_write_after_the_check_survives(monkeypatch: pytest.MonkeyPatch,
+                                                             open_backend: Callable[..., StorageBackend],
+                                                             prefix: str, wire: str) -> None:
+    """A server with EVAL / EVALSHA renamed away: the conditional delete is a WATCH / MULTI transaction, and
+    a good page written after its check and before its ``EXEC`` survives (the server refuses the ``EXEC``);
+    a damaged value nobody touches is deleted."""
+    from hicache.storage import redis_backend
+    from hicache.storage.redis_local import LocalRedis
+
+    with LocalRedis(extra=("--rename-command", "EVAL", "", "--rename-command", "EVALSHA", "")) as server:
+        reader = open_backend(server.url, prefix=prefix, wire=wire)
+        other = open_backend(server.url, prefix=prefix, wire=wire)
+        assert isinstance(reader, RedisBackend) and isinstance(other, RedisBackend)
+        src, keys, idx = make_pool(4, seed=23), page_keys(4, f"watch-{wire}"), [0, 1, 2, 3]
+        assert other.batch_set(keys, src, idx) == 4
+        _damage_redis(other, keys[1], "checksum")
+        _damage_redis(other, keys[3], "checksum")
+        fingerprint = redis_backend._fingerprint
+        checks = 0
+
+        def fingerprint_then_rewrite(*parts: Any) -> Any:  # (installed once the read is done: the delete's)
+            nonlocal checks
+            out = fingerprint(*parts)
+            checks += 1
+            if checks == 1:  # the other node writes the good page right after the first check
+                assert other.batch_set(keys[1:2], src, [1]) == 1
+            return out
+
+        after_read(monkeypatch, reader, "_run",
+                   lambda: monkeypatch.setattr(redis_backend, "_fingerprint", fingerprint_then_rewrite))
+        got = make_pool(4, seed=None)
+        assert reader.batch_get(keys, got, idx) == 1
+        assert reader._no_scripts and checks == 2
+        assert reader.stats().extra.get("corrupt_deleted") == 1  # page 3 only
+        assert reader.batch_exists(keys[3:]) == 0
+        one = make_pool(1, seed=None)
+        assert reader.batch_get(keys[1:2], one, [0]) == 1 and pages_equal(src, one, [1], [0])  # the good rewrite
 
 
 # ---------------------------------------------------------------------------------------------- files
