@@ -340,18 +340,18 @@ def redis_url() -> Iterator[str]:
         yield r.url
 
 
-VARIANTS = [  # (store, write policy, L2 layout, eviction policy, prefetch policy)
-    pytest.param("memory", "write_through", "page_first", "reuse_lru", "wait_complete", id="memory"),
-    pytest.param("file", "write_through_selective", "layer_first", "lru", "timeout", id="file"),
-    pytest.param("file", "write_back", "block_first", "arc", "wait_complete", id="file-write_back"),
-    pytest.param("redis", "write_through_selective", "page_first", "reuse_lru", "timeout", id="redis",
+VARIANTS = [  # (store, write policy, L2 layout, eviction policy, prefetch policy, L3 compression)
+    pytest.param("memory", "write_through", "page_first", "reuse_lru", "wait_complete", "none", id="memory"),
+    pytest.param("file", "write_through_selective", "layer_first", "lru", "timeout", "none", id="file"),
+    pytest.param("file", "write_back", "block_first", "arc", "wait_complete", "zstd", id="file-write_back-zstd"),
+    pytest.param("redis", "write_through_selective", "page_first", "reuse_lru", "timeout", "zstd", id="redis-zstd",
                  marks=pytest.mark.redis),
 ]
 
 
-@pytest.mark.parametrize(("store", "write_policy", "host_layout", "eviction", "prefetch"), VARIANTS)
+@pytest.mark.parametrize(("store", "write_policy", "host_layout", "eviction", "prefetch", "compression"), VARIANTS)
 def test_concurrent_hits_never_change_the_kv(store: str, write_policy: str, host_layout: str, eviction: str,
-                                             prefetch: str, tmp_path: Path,
+                                             prefetch: str, compression: str, tmp_path: Path,
                                              request: pytest.FixtureRequest) -> None:
     url: str
     options: dict[str, Any] = {}
@@ -368,6 +368,7 @@ def test_concurrent_hits_never_change_the_kv(store: str, write_policy: str, host
         "cache": {"l1_tokens": L1_PAGES * PS, "l2_tokens": L2_PAGES * PS, "write_policy": write_policy,
                   "host_layout": host_layout, "host_block_pages": 4, "eviction_policy": eviction},
         "storage": {"url": url, "options": options, "prefetch_threshold_tokens": 0, "prefetch_policy": prefetch,
+                    "compression": compression,
                     "io_batch_pages": 4},
     })
     cache = HiCache(cfg)
@@ -415,6 +416,8 @@ def test_concurrent_hits_never_change_the_kv(store: str, write_policy: str, host
         st = cache.storage.stats() if cache.storage is not None else None
         assert st is not None and st.corrupt_pages == 0 and st.errors == 0
         assert st.gets >= t.loaded_l3
+        if compression != "none":  # compressed frames were written (and read back, verified, above)
+            assert 0 < st.stored_bytes_written < st.bytes_written, st
 
         # every page left anywhere holds its prefix's bytes
         soak.audit()

@@ -129,14 +129,14 @@ class Worker:
     def ping(self) -> int:
         return os.getpid()
 
-    def open(self, url: str, options: dict[str, Any], host_layout: str) -> None:
+    def open(self, url: str, options: dict[str, Any], host_layout: str, compression: str = "none") -> None:
         cfg = config_from_dict({
             "model": {"name": MODEL_NAME},
             "layout": LAYOUT,
             "cache": {"l1_tokens": L1_PAGES * PS, "l2_tokens": L2_PAGES * PS, "write_policy": "write_through",
                       "host_layout": host_layout, "host_block_pages": 4},
             "storage": {"url": url, "options": options, "prefetch_threshold_tokens": 0,
-                        "prefetch_policy": "wait_complete", "io_batch_pages": 4},
+                        "prefetch_policy": "wait_complete", "io_batch_pages": 4, "compression": compression},
         })
         self.cache = HiCache(cfg)
         self.ns = {t: self.cache.namespace(t or None) for t in TENANTS}
@@ -256,7 +256,8 @@ class Worker:
         st = cache.storage.stats()
         reg = cache.metrics.registry
         return {"corrupt_pages": st.corrupt_pages, "store_errors": st.errors, "gets": st.gets,
-                "get_misses": st.get_misses, "sets": st.sets,
+                "get_misses": st.get_misses, "sets": st.sets, "bytes_written": st.bytes_written,
+                "stored_bytes_written": st.stored_bytes_written,
                 "metric_corrupt": reg.get_sample_value("hicache_storage_corrupt_pages_total") or 0.0,
                 "metric_misses": reg.get_sample_value("hicache_storage_page_misses_total") or 0.0}
 

@@ -1,7 +1,8 @@
 """Soak of one L3 store shared by several nodes while it is being damaged: a hit never hands a wrong page.
 
 Two worker processes (spawned; :mod:`storage.l3soak`), each with a cache of its own -- L1 and L2 of a few
-tens of pages, one page-first and one layer-first L2, ``write_through`` -- point at the same store: a
+tens of pages, one page-first and one layer-first L2, one writing compressed frames (``zstd``) and one
+plain frames, ``write_through`` -- point at the same store: a
 directory (file store), a redis-server, a Redis Cluster. Their engine threads replay shared documents
 followed by shared or private questions under two tenants, so the same page keys are written by both
 processes at once and read back by the other one, while their maintenance threads keep clearing L1/L2 so
@@ -44,6 +45,7 @@ from storage.l3soak import CORRUPTING, PROMPTS, TENANTS, Faults, FileFaults, Red
 SOAK_S = 4.0
 SEED = 1234
 HOST_LAYOUTS = ("page_first", "layer_first")  # worker i's L2 layout: frames are shared across both
+COMPRESSION = ("zstd", "none")  # worker i's storage.compression: each reads the other's frames
 FAST_FAIL = {"timeout_s": 2.0, "connect_timeout_s": 0.5, "retry_attempts": 2, "retry_base_s": 0.005,
              "breaker_base_s": 0.05, "breaker_max_s": 0.2}
 
@@ -210,11 +212,13 @@ def test_shared_l3_under_damage_never_serves_a_wrong_page(kind: str, workers: li
                                                           request: pytest.FixtureRequest) -> None:
     assert len(PROMPTS.docs) * len(TENANTS) >= len(PLAN)
     with open_store(kind, tmp_path, request) as store:
-        for w, layout, more in zip(workers, HOST_LAYOUTS, store.worker_options, strict=True):
-            w.call("open", url=store.url, options={**store.options, **more}, host_layout=layout)
+        for w, layout, more, codec in zip(workers, HOST_LAYOUTS, store.worker_options, COMPRESSION, strict=True):
+            w.call("open", url=store.url, options={**store.options, **more}, host_layout=layout, compression=codec)
         try:
             soak(workers, store)
             recover(workers, store)
+            zstd = workers[0].call("stats")  # it stored compressed frames among the plain ones of worker 1
+            assert 0 < zstd["stored_bytes_written"] < zstd["bytes_written"], zstd
         finally:
             for w in workers:
                 w.call("close")
