@@ -68,6 +68,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlparse
@@ -810,10 +811,19 @@ class RedisBackend(StorageBackend):
             ask = pack(b"ASKING") if asking else b""
 
             def io(conn: Any, sock: Any) -> list[int]:
+                checks: list[Future[list[tuple[int, bool]]]] = []
+                try:
+                    return read(conn, sock, checks)
+                except BaseException:
+                    # the hash threads may still be decoding into host pages: not after this call returns
+                    # (its caller gives the pages of a failed read back, and others may take them at once)
+                    futures_wait(checks)
+                    raise
+
+            def read(conn: Any, sock: Any, checks: list[Future[list[tuple[int, bool]]]]) -> list[int]:
                 conn.send_packed_command([b"".join(ask + cmd(it) for it in its)], check_health=False)
                 rd = RespReader(sock)
                 out = [MISS] * len(its)
-                checks: list[Future[list[tuple[int, bool]]]] = []
                 group: list[tuple[int, bytes, memoryview, bytes]] = []
                 packed: list[tuple[int, bytearray, memoryview, bytes]] = []  # compressed frames to decode
                 blobs: dict[int, tuple[bytearray, memoryview]] = {}  # compressed frames read: frame, page
@@ -860,6 +870,7 @@ class RedisBackend(StorageBackend):
                     dst = pio.target(it.page)
                     rd.readinto(dst)
                     rd.expect_crlf()
+                    stored[it.pos] = self._page_bytes  # (an earlier attempt may have read it compressed)
                     if pio.zero_copy:  # verify on the hash threads while the next pages arrive
                         if keep:
                             held[j] = (header, dst)

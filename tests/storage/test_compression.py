@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +32,10 @@ from hicache.storage.frame import (
     unpack_page,
 )
 from hicache.storage.memory import MemoryBackend
+from hicache.storage.redis_backend import RedisBackend
 from kvhelpers import commit_fresh, kv_equal, read_kv, small_config
-from storage.conftest import BACKENDS, NS, page_keys, pages_equal
+from storage.conftest import BACKENDS, NS, needs_redis, page_keys, pages_equal
+from storage.cut_proxy import CutProxy
 from storage.test_backends import flip_stored_byte
 
 CODECS = ["zstd", "lz4"]
@@ -281,3 +284,78 @@ def test_the_cache_serves_compressed_l3_pages_and_exports_the_ratio(tmp_path: Pa
         assert metric("hicache_storage_read_bytes_total") == written
     finally:
         cache.close()
+
+
+# ----------------------------------------------------------------------------------------- faults mid-read
+
+BIG = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=16)  # 512 KiB pages
+
+
+def big_pool(n: int, seed: int | None) -> HostPool:
+    pool = HostPool(BIG, n, "page_first")  # type: ignore[arg-type]
+    for i in range(n):
+        pool.write_page_bytes(i, kv_like(BIG.bytes_per_page, seed + i) if seed is not None else
+                              bytes(BIG.bytes_per_page))
+    return pool
+
+
+@needs_redis
+@pytest.mark.redis
+@pytest.mark.parametrize("hash_threads", [1, 4])
+def test_a_read_cut_short_writes_no_host_page_after_it_returns(redis_single, open_backend, prefix: str,
+                                                                hash_threads: int) -> None:
+    """Compressed pages decode on the hash threads straight into the host pages. When the reply stream
+    breaks, the read fails (0 pages) and its caller gives the pages back at once: no decode may still be
+    writing into them by then."""
+    n = 48
+    writer = open_backend(redis_single.url, layout=BIG, compression="zstd", prefix=prefix)
+    keys = page_keys(n, "cut")
+    assert writer.batch_set(keys, big_pool(n, 1), list(range(n))) == n
+    stored = writer.stats().stored_bytes_written
+    proxy = CutProxy(redis_single.port)
+    try:
+        reader = open_backend(proxy.url, layout=BIG, prefix=prefix, retry_attempts=1, hash_threads=hash_threads)
+        assert reader.probe() is None
+        dst = big_pool(n, None)
+        proxy.arm(int(stored * 0.9))  # the connection drops near the end of the replies
+        assert reader.batch_get(keys, dst, list(range(n))) == 0 and reader.stats().errors == 1
+        u8 = dst.buffer.view(torch.uint8).view(n, -1)
+        u8.fill_(0xAA)  # the pages belong to someone else now
+        time.sleep(0.5)
+        assert bool((u8 == 0xAA).all()), "a decode wrote into a host page after the read had failed"
+    finally:
+        proxy.close()
+
+
+@needs_redis
+@pytest.mark.redis
+@pytest.mark.parametrize("wire", ["raw", "pipeline"])
+def test_stored_bytes_read_are_those_of_the_attempt_that_succeeded(redis_single, open_backend, prefix: str,
+                                                                   wire: str) -> None:
+    """A read retried after a reset counts the bytes of the frames it finally read: here a node storing
+    pages as they are rewrote the compressed pages between the two attempts."""
+    n, page = 4, BIG.bytes_per_page
+    zstd = open_backend(redis_single.url, layout=BIG, compression="zstd", prefix=prefix)
+    plain = open_backend(redis_single.url, layout=BIG, prefix=prefix)
+    src, keys = big_pool(n, 3), page_keys(n, "retry" + wire)
+    assert zstd.batch_set(keys, src, list(range(n))) == n
+    first = zstd.stats().stored_bytes_written // n
+    proxy = CutProxy(redis_single.port)
+    try:
+        reader = open_backend(proxy.url, layout=BIG, prefix=prefix, retry_attempts=2, wire=wire)
+        assert isinstance(reader, RedisBackend) and reader.probe() is None
+        refresh = reader._refresh
+
+        def rewrite_then_refresh(e: BaseException | None = None) -> None:  # between the two attempts
+            assert plain.batch_set(keys, src, list(range(n))) == n
+            refresh(e)
+
+        reader._refresh = rewrite_then_refresh  # type: ignore[method-assign]
+        proxy.arm(first + HEADER_BYTES + 200_000)  # page 0 arrives whole, the connection drops in page 1
+        dst = big_pool(n, None)
+        assert reader.batch_get(keys, dst, list(range(n))) == n
+        assert pages_equal(src, dst, list(range(n)), list(range(n)))
+        st = reader.stats()
+        assert st.extra.get("retries") == 1 and st.bytes_read == st.stored_bytes_read == n * page
+    finally:
+        proxy.close()
