@@ -26,7 +26,7 @@ import yaml
 from hicache.eviction import policy_names
 from hicache.keys import Namespace
 from hicache.layout import DTYPES, HOST_LAYOUTS, KVLayout
-from hicache.page_codec import codec_names
+from hicache.page_codec import LEVELS, codec_names
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -213,8 +213,8 @@ class StorageConfig:
                  "'block' or 'drop'", self.writeback_when_full)
         _require(self.compression in codec_names(), "storage.compression", f"one of {codec_names()}",
                  self.compression)
-        _require(-7 <= self.compression_level <= 22, "storage.compression_level", "in [-7, 22] (0: default)",
-                 self.compression_level)
+        _require(LEVELS[0] <= self.compression_level <= LEVELS[1], "storage.compression_level",
+                 f"in [{LEVELS[0]}, {LEVELS[1]}] (0: the codec's default)", self.compression_level)
 
     def prefetch_timeout(self, tokens: int) -> float:
         """Seconds the ``timeout`` policy waits for a prefetch of ``tokens`` tokens."""

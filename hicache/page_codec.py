@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 MIN_SAVING = 1 / 32  # store compressed only when it saves at least this share of the page
+LEVELS = (-7, 22)  # the compression levels accepted (0: the codec's default)
 SHUFFLE_SIZES = (1, 2, 4, 8)  # element sizes the byte shuffle knows (1: no shuffle)
 
 
@@ -38,6 +39,9 @@ class PageCodec:
     default_level = 0
 
     def __init__(self, level: int = 0) -> None:
+        if not LEVELS[0] <= level <= LEVELS[1]:
+            raise ValueError(f"storage.compression_level: must be in [{LEVELS[0]}, {LEVELS[1]}] (0: the codec's "
+                             f"default), got {level}")
         self.level = level or self.default_level
 
     def compress(self, page: memoryview, elem: int) -> bytes | None:

@@ -27,7 +27,7 @@ from hicache.config import (
 )
 from hicache.eviction import policy_names
 from hicache.layout import DTYPES, HOST_LAYOUTS
-from hicache.page_codec import codec_names
+from hicache.page_codec import LEVELS, codec_names
 from hicache.router.config import INDEX_MODES
 from hicache.router.scoring import policy_names as router_policy_names
 
@@ -125,7 +125,7 @@ def config_schema() -> Schema:
             "prefetch_timeout_max_s": number(0), "prefetch_max_inflight_bytes": integer(1),
             "io_batch_pages": integer(1), "writeback_queue_pages": integer(1),
             "writeback_when_full": enum(["block", "drop"]), "compression": enum(codec_names()),
-            "compression_level": integer(-7, 22), "options": ANY_OBJECT},
+            "compression_level": integer(*LEVELS), "options": ANY_OBJECT},
             description="storage.url comes from redis.* / externalStorage.* (an external URL through the Secret)"),
         "serve": obj({
             "max_concurrency": integer(1), "max_message_bytes": integer(1 << 20), "max_request_tokens": integer(1),

@@ -201,8 +201,8 @@ def _scripts_refused(e: BaseException) -> bool:
         kind = "NOPERM" if isinstance(e, redis.exceptions.NoPermissionError) else text.split(" ", 1)[0]
     else:
         return False
-    low = text.lower()
-    return kind == "NOPERM" or ("unknown command" in low and "eval" in low)
+    low = text.lower()  # (a NOPERM for keys or other commands is no refusal of scripts)
+    return (kind == "NOPERM" or "unknown command" in low) and "eval" in low
 
 
 def _noscript(e: BaseException) -> bool:
@@ -580,27 +580,41 @@ class RedisBackend(StorageBackend):
         evalsha = self._ints(args(b"EVALSHA", _DELETE_DAMAGED_SHA))
         eval_ = self._ints(args(b"EVAL", _DELETE_DAMAGED))
 
-        def scripted(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
-            out = evalsha(client, its, asking)
-            again = [j for j, r in enumerate(out) if r == NOSCRIPT]
-            if again:  # the node has not cached the script (restarted, flushed, new): EVAL caches it
-                for j, r in zip(again, eval_(client, [its[j] for j in again], asking), strict=True):
-                    out[j] = r
-            return out
-
-        def node(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
+        def refused(e: BaseException) -> bool:
+            if not _scripts_refused(e):
+                return False
             if not self._no_scripts:
-                try:
-                    return scripted(client, its, asking)
-                except (ReplyError, redis.exceptions.ResponseError) as e:
-                    if not _scripts_refused(e):
-                        raise
-                    self._no_scripts = True
-                    log.warning("redis: the store refuses scripts (%s); damaged pages are deleted through "
-                                "WATCH / MULTI instead", e)
+                self._no_scripts = True
+                log.warning("redis: the store refuses scripts (%s); damaged pages are deleted through WATCH / "
+                            "MULTI instead", e)
+            return True
+
+        def transactions(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
             if asking:  # a slot migrating (a transaction would need ASKING before each command): the key
                 return [0] * len(its)  # is left for a later read to find again
             return [self._watch_delete(client, it) for it in its]
+
+        def node(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
+            if self._no_scripts:
+                return transactions(client, its, asking)
+            try:
+                out = evalsha(client, its, asking)
+            except (ReplyError, redis.exceptions.ResponseError) as e:
+                if not refused(e):
+                    raise
+                return transactions(client, its, asking)
+            again = [j for j, r in enumerate(out) if r == NOSCRIPT]
+            if again:  # the node has not cached the script (restarted, flushed, new): EVAL caches it
+                rest = [its[j] for j in again]
+                try:
+                    res = eval_(client, rest, asking)
+                except (ReplyError, redis.exceptions.ResponseError) as e:
+                    if not refused(e):
+                        raise
+                    res = transactions(client, rest, asking)  # (what EVALSHA deleted stays counted)
+                for j, r in zip(again, res, strict=True):
+                    out[j] = r
+            return out
 
         res = self._run(items, node)
         n = 0 if res is None else sum(r == 1 for r in res)

@@ -188,6 +188,8 @@ def test_codec_names_and_bad_settings_are_clear_errors() -> None:
     assert {"none", "zstd", "lz4"} <= set(codec_names())
     with pytest.raises(ValueError, match=r"storage\.compression: unknown codec 'brotli'"):
         make_codec("brotli")
+    with pytest.raises(ValueError, match=r"storage\.compression_level: must be in \[-7, 22\]"):
+        make_codec("zstd", 50)
     with pytest.raises(ConfigError, match=r"storage\.compression"):
         load_config(overrides={"storage": {"compression": "brotli"}})
     with pytest.raises(ConfigError, match=r"storage\.compression_level"):

@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 
-from hicache.storage import StorageContext, file_backend
+from hicache.storage import StorageContext, file_backend, redis_backend
 from hicache.storage.base import StorageBackend
 from hicache.storage.file_backend import FileBackend
 from hicache.storage.frame import HEADER_BYTES
@@ -182,7 +182,6 @@ def test_redis_without_eval_a_write_after_the_check_survives(monkeypatch: pytest
     """A server with EVAL / EVALSHA renamed away: the conditional delete is a WATCH / MULTI transaction, and
     a good page written after its check and before its ``EXEC`` survives (the server refuses the ``EXEC``);
     a damaged value nobody touches is deleted."""
-    from hicache.storage import redis_backend
     from hicache.storage.redis_local import LocalRedis
 
     with LocalRedis(extra=("--rename-command", "EVAL", "", "--rename-command", "EVALSHA", "")) as server:
@@ -213,6 +212,35 @@ def test_redis_without_eval_a_write_after_the_check_survives(monkeypatch: pytest
         assert reader.batch_exists(keys[3:]) == 0
         one = make_pool(1, seed=None)
         assert reader.batch_get(keys[1:2], one, [0]) == 1 and pages_equal(src, one, [1], [0])  # the good rewrite
+
+
+@needs_redis
+@pytest.mark.redis
+@pytest.mark.parametrize("wire", ["raw", "pipeline"])
+def test_redis_evalsha_without_eval_falls_back_for_the_pages_it_left(redis_single: Any,
+                                                                     open_backend: Callable[..., StorageBackend],
+                                                                     prefix: str, wire: str) -> None:
+    """A user who may run EVALSHA but not EVAL: while the script is cached, EVALSHA deletes; once the server
+    has forgotten it, the pages EVALSHA left go through transactions, and each damaged page goes once."""
+    other = open_backend(redis_single.url, prefix=prefix, wire=wire)
+    assert isinstance(other, RedisBackend)
+    user, password = "evalsha-only", "pw-evalsha"
+    admin = _client(other)
+    admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=["*"], channels=["*"],
+                      commands=["+@all", "-eval"])
+    url = redis_single.url.replace("redis://", f"redis://{user}:{password}@", 1)
+    reader = open_backend(url, prefix=prefix, wire=wire)
+    assert isinstance(reader, RedisBackend)
+    src, keys, idx = make_pool(4, seed=24), page_keys(4, f"evalsha-{wire}"), [0, 1, 2, 3]
+    admin.script_load(redis_backend._DELETE_DAMAGED)
+    for round_ in range(2):  # the script cached, then flushed
+        assert other.batch_set(keys, src, idx) == 4
+        _damage_redis(other, keys[2], "checksum")
+        assert reader.batch_get(keys, make_pool(4, seed=None), idx) == 2
+        assert reader.batch_exists(keys[2:3]) == 0
+        assert reader.stats().extra.get("corrupt_deleted") == round_ + 1
+        assert reader._no_scripts == (round_ == 1)
+        admin.script_flush()
 
 
 # ---------------------------------------------------------------------------------------------- files
