@@ -81,6 +81,11 @@ def codec_names() -> list[str]:
     return sorted(_CODECS)
 
 
+def codec_ids() -> list[int]:
+    """The ids frames may name that this release decodes."""
+    return sorted(_BY_ID)
+
+
 def make_codec(name: str, level: int = 0) -> PageCodec:
     """The codec ``name`` at ``level`` (0: the codec's default); ``ValueError`` names the known ones."""
     cls = _CODECS.get(name)

@@ -17,18 +17,18 @@ and the rename. Temporary files older than ``tmp_max_age_s`` are removed when th
 object stores (s3, gs), where an object only appears once its upload completed, pages are written in
 place.
 
-Damaged pages: a file that fails verification is counted (``corrupt_pages``) and, with
-``delete_corrupt``, deleted -- but only the damaged file that was read: several nodes share the store, and
-one of them may have renamed a good copy into place since. The read notes the length and SHA1 of what it
-read; the delete compares the file with that first. On a local disk or mount the file is first renamed
-aside to a private ``.<name>.<pid>.<random>.del.tmp`` (atomic, like the writers' renames), so whatever is
-compared is what gets deleted; a file that is not the one read goes back with a hard link, which never
-replaces a newer page written meanwhile (for the moment it is aside the page reads as a miss). Where the
-filesystem has no hard links it goes back by a rename when nothing took its place, a window of one
-``lstat``. Other stores (s3, gs, hdfs, a ``filesystem`` object) have no such rename through pyarrow.fs:
-the file is read again and deleted if it still matches, so a good page written between that read and the
-delete is lost (a later miss, never a wrong page). ``extra["corrupt_deleted"]`` counts the files
-actually deleted.
+Damaged pages: a file that fails verification is counted (``corrupt_pages``) and, with ``delete_corrupt``,
+deleted (not a frame of a newer release's format: a miss left in place,
+:class:`~hicache.storage.frame.NewerFormat`) -- but only the damaged file that was read: several nodes share
+the store, and one of them may have renamed a good copy into place since. The read notes the length and SHA1
+of what it read; the delete compares the file with that first. On a local disk or mount the file is first
+renamed aside to a private ``.<name>.<pid>.<random>.del.tmp`` (atomic, like the writers' renames), so
+whatever is compared is what gets deleted; a file that is not the one read goes back with a hard link, which
+never replaces a newer page written meanwhile (for the moment it is aside the page reads as a miss). Where
+the filesystem has no hard links it goes back by a rename when nothing took its place, a window of one
+``lstat``. Other stores (s3, gs, hdfs, a ``filesystem`` object) have no such rename through pyarrow.fs: the
+file is read again and deleted if it still matches, so a good page written between that read and the delete
+is lost (a later miss, never a wrong page). ``extra["corrupt_deleted"]`` counts the files actually deleted.
 
 Size cap (``max_bytes``, 0 = none): the backend tracks the pages it knows of (scanned when opened, and
 again at most every ``rescan_s`` seconds during writes; plus its own writes; reads refresh a page) and,
@@ -70,7 +70,7 @@ import pyarrow.fs as pafs
 
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
-from hicache.storage.frame import HEADER_BYTES, FrameError, encode_header, unpack_page
+from hicache.storage.frame import HEADER_BYTES, FrameError, NewerFormat, encode_header, newer_format, unpack_page
 from hicache.storage.pageio import PageIO
 from hicache.storage.threads import check_nice, io_pool
 
@@ -407,6 +407,8 @@ class FileBackend(StorageBackend):
             """A compressed frame (smaller than a page's): verify and decode it into ``dst``."""
             try:
                 unpack_page(blob, ns, keys[i], dst)
+            except NewerFormat:  # a newer release's page: a miss, left in place
+                return CORRUPT
             except FrameError:
                 if keep:
                     seen[i] = _seen(blob)
@@ -431,7 +433,7 @@ class FileBackend(StorageBackend):
                             return CORRUPT  # (the file changed under us; kept)
                         return unpacked(i, blob, dst)
                     if size != self._frame_bytes:
-                        if keep:
+                        if keep and not newer_format(os.pread(fd, HEADER_BYTES, 0)):
                             seen[i] = _seen_reader(lambda k: os.read(fd, k))
                         return CORRUPT
                     header = bytearray(HEADER_BYTES)
@@ -444,13 +446,15 @@ class FileBackend(StorageBackend):
                     if HEADER_BYTES < size < self._frame_bytes:
                         return unpacked(i, f.read(), dst)
                     if size != self._frame_bytes:
-                        if keep:
+                        if keep and not newer_format(f.read_at(HEADER_BYTES, 0)):
+                            f.seek(0)
                             seen[i] = _seen_reader(f.read)
                         return CORRUPT
                     header = f.read(HEADER_BYTES)
                     got = f.readinto(dst)
             if got != self._page_bytes or encode_header(dst, ns, key) != header:
-                if keep and got == self._page_bytes:  # (a short read: the file changed under us; kept)
+                if keep and got == self._page_bytes and not newer_format(header):  # (a short read: the file
+                    # changed under us; a newer format: another release's page; both kept)
                     seen[i] = _seen(header, dst)
                 return CORRUPT
             pio.commit(page, dst)

@@ -25,7 +25,9 @@ exactly; that keys name their tokens rests on the sha256 chain (:mod:`hicache.ke
 checksum. Version 1 frames (blake2b-256 checksums) are refused as unsupported, i.e. read as misses.
 
 A frame whose magic, version, namespace, key, length or checksum does not match is a ``FrameError``:
-the caller counts it in ``hicache_storage_corrupt_pages_total`` and treats the page as a miss.
+the caller counts it in ``hicache_storage_corrupt_pages_total`` and treats the page as a miss. A frame of
+a later version, or of a codec this release does not have, is a ``NewerFormat``: a miss counted the same
+way, but one the stores leave in place (a newer release shares the store), where they delete damage.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import struct
 
 import xxhash
 
-from hicache.page_codec import PageCodec, codec_for_id
+from hicache.page_codec import PageCodec, codec_for_id, codec_ids
 
 MAGIC = b"HKV1"
 FRAME_VERSION = 2  # a page as it is
@@ -45,6 +47,20 @@ HEADER_BYTES = _HEADER.size
 
 class FrameError(ValueError):
     """A stored page failed verification."""
+
+
+class NewerFormat(FrameError):
+    """A frame of a format this release does not know: a later version, or (its stored bytes intact) a
+    codec it does not have -- written by a newer release sharing the store. A miss like any frame that
+    fails verification, but not damage: a store never deletes it (the page's next write replaces it)."""
+
+
+def newer_format(header: bytes | bytearray | memoryview) -> bool:
+    """``header`` (a frame's first bytes) starts a frame of a later version than this release knows."""
+    if len(header) < 6:
+        return False
+    magic, version = struct.unpack_from("<4sH", header)
+    return bool(magic == MAGIC and version > PACKED_VERSION)
 
 
 def _checksum(ns: bytes, key: bytes, payload: bytes | memoryview, pad: bool = True) -> bytes:
@@ -121,6 +137,8 @@ def unpack_page(blob: bytes | bytearray | memoryview, ns: bytes, key: bytes, dst
         return
     if magic != MAGIC:
         raise FrameError("bad magic")
+    if version > PACKED_VERSION:
+        raise NewerFormat(f"frame version {version} (this release reads {FRAME_VERSION} and {PACKED_VERSION})")
     if version != PACKED_VERSION:
         raise FrameError(f"unsupported frame version {version}")
     ns32, key32 = _pad32(ns), _pad32(key)
@@ -134,7 +152,11 @@ def unpack_page(blob: bytes | bytearray | memoryview, ns: bytes, key: bytes, dst
     if _checksum(ns32, key32, payload, pad=False) != checksum[:16]:
         raise FrameError("checksum mismatch")
     try:
-        codec_for_id(flags & 0xFF).decompress_into(payload, flags >> 8, dst)
+        codec = codec_for_id(flags & 0xFF)
+    except ValueError:
+        raise NewerFormat(f"codec id {flags & 0xFF} (this release has {codec_ids()})") from None
+    try:
+        codec.decompress_into(payload, flags >> 8, dst)
     except ValueError as e:
         raise FrameError(f"undecodable page ({e})") from None
     if xxhash.xxh3_128_digest(dst) != checksum[16:]:

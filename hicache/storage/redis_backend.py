@@ -32,7 +32,8 @@ that returned ``n`` hold valid data (later pages may have been overwritten with 
 that cannot be one of our pages (a string of the wrong size, a value of another type) is a damaged page,
 like a frame that fails verification.
 
-Damaged pages are counted (``corrupt_pages``) and, with ``delete_corrupt``, deleted -- but only the
+Damaged pages are counted (``corrupt_pages``) and, with ``delete_corrupt``, deleted (not a frame of a newer
+release's format: a miss left in place, :class:`~hicache.storage.frame.NewerFormat`) -- but only the
 damaged value that was read: several nodes share the store, and one of them may have written a good copy
 of the page under the same key since. The delete is a small Lua script, atomic on the server, one key
 per call (``EVALSHA``, sent again as ``EVAL`` where a node answers ``NOSCRIPT``): a string is deleted
@@ -78,7 +79,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
-from hicache.storage.frame import HEADER_BYTES, FrameError, encode_header, unpack_page
+from hicache.storage.frame import HEADER_BYTES, FrameError, NewerFormat, encode_header, newer_format, unpack_page
 from hicache.storage.pageio import PageIO
 from hicache.storage.redis_options import RedisOptions, connect
 from hicache.storage.resp import ReplyError, RespReader, bulk_head, pack
@@ -88,7 +89,7 @@ from hicache.storage.threads import io_pool
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-OK, MISS, CORRUPT, REDIRECT, NOSCRIPT = 0, 1, 2, 3, 4
+OK, MISS, CORRUPT, REDIRECT, NOSCRIPT, NEWER = 0, 1, 2, 3, 4, 5  # NEWER: a newer release's frame (a miss)
 _MAX_REDIRECTS = 5  # rounds of MOVED / ASK within one call before it fails as a transient error
 _TRANSIENT_REPLIES = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING", "MASTERDOWN", "READONLY", "BUSY")
 # What redis-py (the ``pipeline`` wire) makes of those replies: MovedError is an AskError,
@@ -177,10 +178,13 @@ def _fingerprint(*parts: bytes | bytearray | memoryview) -> tuple[int, bytes]:
     return sum(len(p) for p in parts), h.hexdigest().encode()
 
 
-def _skip_fingerprint(rd: RespReader, n: int) -> tuple[int, bytes]:
-    """Consume a bulk string's ``n`` bytes and its CRLF, returning their :func:`_fingerprint`."""
+def _skip_fingerprint(rd: RespReader, n: int, head: bytes | bytearray = b"") -> tuple[int, bytes]:
+    """Consume a bulk string's ``n`` bytes and its CRLF, returning their :func:`_fingerprint` (``head``: the
+    value's first bytes, consumed already)."""
     h = hashlib.sha1(usedforsecurity=False)
-    buf = memoryview(bytearray(min(n, 1 << 20)))
+    h.update(head)
+    total = n + len(head)
+    buf = memoryview(bytearray(max(1, min(n, 1 << 20))))
     left = n
     while left:
         k = min(left, len(buf))
@@ -188,7 +192,7 @@ def _skip_fingerprint(rd: RespReader, n: int) -> tuple[int, bytes]:
         h.update(buf[:k])
         left -= k
     rd.expect_crlf()
-    return n, h.hexdigest().encode()
+    return total, h.hexdigest().encode()
 
 
 def _scripts_refused(e: BaseException) -> bool:
@@ -671,18 +675,22 @@ class RedisBackend(StorageBackend):
             out.extend((f, i - lo) for i in range(lo, hi))
         return out
 
-    def _verify_group(self, group: list[tuple[int, bytes, memoryview, bytes]]) -> list[tuple[int, bool]]:
-        return [(j, self._verify(h, dst, key)) for j, h, dst, key in group]
+    def _verify_group(self, group: list[tuple[int, bytes, memoryview, bytes]]) -> list[tuple[int, int]]:
+        return [(j, OK if self._verify(h, dst, key) else NEWER if newer_format(h) else CORRUPT)
+                for j, h, dst, key in group]
 
-    def _unpack(self, blob: bytes | bytearray, key: bytes, dst: memoryview) -> bool:
-        """Verify a compressed frame and decode it into ``dst``."""
+    def _unpack(self, blob: bytes | bytearray, key: bytes, dst: memoryview) -> int:
+        """Verify a frame and decode it into ``dst``: ``OK``, ``CORRUPT``, or ``NEWER`` (a format of a newer
+        release: a miss, not damage)."""
         try:
             unpack_page(blob, self.ctx.namespace_digest, key, dst)
+        except NewerFormat:
+            return NEWER
         except FrameError:
-            return False
-        return True
+            return CORRUPT
+        return OK
 
-    def _unpack_group(self, group: list[tuple[int, bytearray, memoryview, bytes]]) -> list[tuple[int, bool]]:
+    def _unpack_group(self, group: list[tuple[int, bytearray, memoryview, bytes]]) -> list[tuple[int, int]]:
         return [(j, self._unpack(blob, key, dst)) for j, blob, dst, key in group]
 
     def batch_set(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
@@ -813,8 +821,9 @@ class RedisBackend(StorageBackend):
                         out.append(MISS)
                     else:
                         dst = pio.target(it.page)
-                        if not self._unpack(blob, it.key, dst):
-                            it.damaged = _fingerprint(blob) if keep else None
+                        code = self._unpack(blob, it.key, dst)
+                        if code != OK:
+                            it.damaged = _fingerprint(blob) if keep and code == CORRUPT else None
                             out.append(CORRUPT)
                             continue
                         stored[it.pos] = len(blob) - HEADER_BYTES
@@ -825,7 +834,7 @@ class RedisBackend(StorageBackend):
             ask = pack(b"ASKING") if asking else b""
 
             def io(conn: Any, sock: Any) -> list[int]:
-                checks: list[Future[list[tuple[int, bool]]]] = []
+                checks: list[Future[list[tuple[int, int]]]] = []
                 try:
                     return read(conn, sock, checks)
                 except BaseException:
@@ -834,7 +843,7 @@ class RedisBackend(StorageBackend):
                     futures_wait(checks)
                     raise
 
-            def read(conn: Any, sock: Any, checks: list[Future[list[tuple[int, bool]]]]) -> list[int]:
+            def read(conn: Any, sock: Any, checks: list[Future[list[tuple[int, int]]]]) -> list[int]:
                 conn.send_packed_command([b"".join(ask + cmd(it) for it in its)], check_health=False)
                 rd = RespReader(sock)
                 out = [MISS] * len(its)
@@ -871,11 +880,13 @@ class RedisBackend(StorageBackend):
                             checks.append(self._hasher.submit(self._unpack_group, packed))
                             packed = []
                         continue
-                    if n != self._frame_bytes:  # wrong size: not one of our pages
-                        if keep:
-                            it.damaged = _skip_fingerprint(rd, n)
+                    if n != self._frame_bytes:  # wrong size: not one of our pages (damage, or a newer format)
+                        head = bytearray(min(n, HEADER_BYTES))
+                        rd.readinto(memoryview(head))
+                        if keep and not newer_format(head):
+                            it.damaged = _skip_fingerprint(rd, n - len(head), head)
                         else:
-                            rd.skip(n)
+                            rd.skip(n - len(head))
                             rd.expect_crlf()
                         out[j] = CORRUPT
                         continue
@@ -896,7 +907,7 @@ class RedisBackend(StorageBackend):
                         pio.commit(it.page, dst)
                         out[j] = OK
                     else:
-                        it.damaged = _fingerprint(header, dst) if keep else None
+                        it.damaged = _fingerprint(header, dst) if keep and not newer_format(header) else None
                         out[j] = CORRUPT
                 if rd.buffered:
                     raise ConnectionError("redis: unexpected extra reply bytes")
@@ -905,11 +916,11 @@ class RedisBackend(StorageBackend):
                 if packed:
                     checks.append(self._hasher.submit(self._unpack_group, packed))
                 for f in checks:
-                    for j, good in f.result():
-                        if good and j in blobs:
+                    for j, code in f.result():
+                        if code == OK and j in blobs:
                             pio.commit(its[j].page, blobs[j][1])
-                        out[j] = OK if good else CORRUPT
-                        if not good and keep:  # what was read: the frame, or the host page holding it
+                        out[j] = OK if code == OK else CORRUPT
+                        if code == CORRUPT and keep:  # what was read: the frame, or the host page holding it
                             its[j].damaged = _fingerprint(blobs[j][0]) if j in blobs else _fingerprint(*held[j])
                 self._raise_transient(errs)
                 return out

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 import pytest
 import torch
 
@@ -84,6 +85,8 @@ def backend_url(request: pytest.FixtureRequest, tmp_path: Path, prefix: str) -> 
         return "memory://", {}
     if kind == "file":
         return f"file://{tmp_path / 'store'}", {}
+    if kind == "file-pyarrow":  # the same store read and written through pyarrow.fs, not os
+        return f"file://{tmp_path / 'store'}", {"filesystem": pafs.SubTreeFileSystem("/", pafs.LocalFileSystem())}
     if kind == "redis":
         return request.getfixturevalue("redis_single").url, {"prefix": prefix}
     if kind == "redis-pipeline":

@@ -28,6 +28,8 @@ from hicache.storage.frame import (
     MAGIC,
     PACKED_VERSION,
     FrameError,
+    NewerFormat,
+    newer_format,
     pack_page,
     unpack_page,
 )
@@ -163,7 +165,7 @@ def test_forged_frames_with_valid_stored_checksums_are_refused() -> None:
         "decoded page checksum mismatch": _forge(zstd.compress(memoryview(kv_like(PAGE, 5)), 2) or b"", 1 | 2 << 8,
                                                  good),  # another page's stream under this page's checksum
         "undecodable page": _forge(real, 1 | 4 << 8, good),  # another shuffle: another plane table
-        "unknown codec id": _forge(real, 9 | 2 << 8, good),
+        "codec id 9": _forge(real, 9 | 2 << 8, good),  # a codec this release lacks (NewerFormat)
         "bad shuffle element size": _forge(real, 1 | 3 << 8, good),
         "payload length mismatch": _forge(b"\0" * PAGE, 1 | 2 << 8, good),  # not smaller than a page
     }
@@ -361,3 +363,61 @@ def test_stored_bytes_read_are_those_of_the_attempt_that_succeeded(redis_single,
         assert st.extra.get("retries") == 1 and st.bytes_read == st.stored_bytes_read == n * page
     finally:
         proxy.close()
+
+
+# ----------------------------------------------------------------------------------------- newer formats
+
+
+def newer_frames(key: bytes) -> dict[str, bytes]:
+    """Frames a newer release might write for ``key``: a later version (smaller than, as large as, or larger
+    than a page's frame), and a version 3 frame of a codec this release does not have (stored bytes intact)."""
+    def later(size: int) -> bytes:
+        head = _HEADER.pack(MAGIC, PACKED_VERSION + 1, 0, NS, key, size - HEADER_BYTES, bytes(32))
+        return head + bytes(range(256)) * ((size - HEADER_BYTES) // 256) + bytes((size - HEADER_BYTES) % 256)
+
+    stored = make_codec("zstd").compress(memoryview(kv_like(PAGE, 9)), 2)
+    assert stored is not None
+    h = xxhash.xxh3_128()
+    for part in (NS, key, stored):
+        h.update(part)
+    codec = _HEADER.pack(MAGIC, PACKED_VERSION, 200 | 2 << 8, NS, key, len(stored), h.digest() + bytes(16)) + stored
+    return {"smaller": later(HEADER_BYTES + PAGE // 2), "same size": later(HEADER_BYTES + PAGE),
+            "larger": later(HEADER_BYTES + 2 * PAGE), "unknown codec": codec}
+
+
+@pytest.mark.parametrize("what", ["smaller", "same size", "larger", "unknown codec"])
+def test_a_newer_format_is_a_newer_format_error(what: str) -> None:
+    with pytest.raises(NewerFormat):
+        unpack_page(newer_frames(KEY)[what], NS, KEY, memoryview(bytearray(PAGE)))
+    assert newer_format(newer_frames(KEY)[what]) == (what != "unknown codec")
+
+
+@pytest.mark.parametrize("backend_url", [*(p for p in BACKENDS if p.id != "memory"),
+                                         pytest.param("file-pyarrow", id="file-pyarrow")], indirect=True)
+def test_a_newer_release_s_pages_are_misses_left_in_the_store(backend_url, open_backend) -> None:
+    """A node of this release sharing the store with a newer one: the newer frames are misses (counted like
+    damage) but never deleted, while damage beside them still is."""
+    url, opts = backend_url
+    b = open_backend(url, layout=LAYOUT, compression="zstd", **opts)
+    kinds = list(newer_frames(KEY))
+    keys = page_keys(len(kinds) + 1, "newer")
+    src = kv_pool(len(keys), 40)
+    assert b.batch_set(keys, src, list(range(len(keys)))) == len(keys)
+    for key, kind in zip(keys, kinds, strict=False):
+        put_raw(b, key, newer_frames(key)[kind])
+    flip_stored_byte(b, keys[-1], HEADER_BYTES + 100)  # the last one: damage
+    for i, key in enumerate(keys):
+        assert b.batch_get([key], empty_pool(1), [0]) == 0, i
+    assert b.stats().corrupt_pages == len(keys)
+    assert [b.batch_exists([k]) for k in keys] == [1] * len(kinds) + [0]  # only the damaged page went
+
+
+def put_raw(b: object, key: bytes, blob: bytes) -> None:
+    """Store ``blob`` as ``key``'s value, in the store itself."""
+    if isinstance(b, FileBackend):
+        Path(b.path(key)).write_bytes(blob)
+    elif isinstance(b, RedisBackend):
+        client = b._get_cluster() if b._client is None else b._client
+        client.set(b.redis_key(key), blob)
+    else:
+        raise AssertionError(type(b))
