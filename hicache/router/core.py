@@ -265,9 +265,10 @@ class Router:
 
     def complete(self, route_id: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> str | None:
         """The routed request finished with ``code`` on its node; returns the node (None: unknown id, or
-        one past its TTL)."""
+        one past twice its TTL). A route past its TTL no longer counts in flight, but its completion, up to
+        another TTL later, still tells the node's breaker how the call went (a slow call that failed)."""
         self.inflight.expire()  # a route past its TTL is gone, whether or not a Route call swept it yet
-        r = self.inflight.finish(route_id)
+        r = self.inflight.finish(route_id) or self.inflight.finish_late(route_id)
         if r is None:
             return None
         breaker = self.nodes[r.node].breaker

@@ -29,12 +29,19 @@ class Inflight(NamedTuple):
 
 
 class InflightTracker:
+    """Routes in flight per node, each until its completion or ``ttl_s``."""
+
+    LATE_CAP = 1 << 16  # routes past their TTL kept for a late completion
+
     def __init__(self, ttl_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
         self.ttl_s = ttl_s
         self._clock = clock
         self._routes: collections.OrderedDict[str, Inflight] = collections.OrderedDict()  # deadline order
+        # routes dropped at the TTL, for another TTL (at most LATE_CAP): a completion arriving then still
+        # says how the node did (a slow call that failed is a failure), though it no longer counts as load
+        self._late: collections.OrderedDict[str, Inflight] = collections.OrderedDict()
         self._counts: collections.Counter[str] = collections.Counter()
         self._ids = itertools.count(1)
         self._prefix = f"{int(time.time() * 1000) & 0xFFFFFFFF:08x}"
@@ -56,8 +63,12 @@ class InflightTracker:
         self._dec(r.node)
         return r
 
+    def finish_late(self, route_id: str) -> Inflight | None:
+        """The record of ``route_id`` if it was dropped at the TTL less than another TTL ago (once only)."""
+        return self._late.pop(route_id, None)
+
     def expire(self) -> int:
-        """Drop routes past their deadline; returns how many."""
+        """Drop routes past their deadline (kept aside for :meth:`finish_late`); returns how many."""
         now = self._clock()
         n = 0
         while self._routes:
@@ -66,7 +77,13 @@ class InflightTracker:
                 break
             del self._routes[rid]
             self._dec(r.node)
+            self._late[rid] = r._replace(deadline=r.deadline + self.ttl_s)
             n += 1
+        while self._late:
+            rid, r = next(iter(self._late.items()))
+            if r.deadline > now and len(self._late) <= self.LATE_CAP:
+                break
+            del self._late[rid]
         self.expired += n
         return n
 
