@@ -334,7 +334,7 @@ class HiCache:
 
     # ------------------------------------------------------------------ request API
     def match(self, tokens: Sequence[int] | np.ndarray, ns: Namespace | None = None, *,
-              l3: bool = True, keys: bool = True, count: bool = True) -> Request:
+              l3: bool = True, keys: bool = True, count: bool = True, defer_count: bool = False) -> Request:
         """Longest cached prefix of ``tokens``: pages on L1, continued on L2, continued on L3.
 
         Locks the L1 prefix and pins the L2 run until :meth:`release`. ``l3=False`` skips the store.
@@ -344,10 +344,12 @@ class HiCache:
         ``count=False`` leaves the lookup out of the hit-rate and match-latency metrics (a peer writing
         pages in, not a prompt looked up; a peek, :meth:`peek`).
 
-        Counted: the lookup, and the L1 prefix as an L1 hit (it is locked for the request and handed
-        over now). The L2 run is counted when the request's load back lands it (a hit) or when the
-        request commits its own pages or is released first (``hicache_l2_unserved_tokens_total``); the
-        L3 run once its prefetch has been loaded back, or at release (:mod:`hicache.l3_tally`).
+        Counted: the lookup, and the L1 prefix as an L1 hit (it is locked for the request and handed over now);
+        with ``defer_count``, only once :meth:`count_match` says the caller got the request (a node's Match that
+        also loads, which may still fail; released before that, it counts nothing). The L2 run is counted when
+        the request's load back lands it (a hit) or when the request commits its own pages or is released first
+        (``hicache_l2_unserved_tokens_total``); the L3 run once its prefetch has been loaded back, or at release
+        (:mod:`hicache.l3_tally`).
         """
         t0 = time.perf_counter()
         ns = ns or self.ns
@@ -378,17 +380,28 @@ class HiCache:
             req.l3_pages = self.storage.batch_exists(pkeys[done:])
             self.metrics.storage_op["exists"].observe(time.perf_counter() - t_ex)
         if count:
-            mt = self.metrics
-            mt.lookups.inc()
-            mt.lookup_tokens.inc(req.num_pages * self.page_size)
-            mt.hit["l1"].inc(req.l1_pages * self.page_size)
             if req.l2_pages:  # served or not is known at its load back (or commit, release): _count_l2
                 req.l2 = L2Tally(req.l1_pages, req.l2_pages)
             if req.l3_pages:  # served or not is known later: hit{l3} counts it then (_count_l3)
-                mt.l3_matched_tokens.inc(req.l3_pages * self.page_size)
                 req.l3 = L3Tally(req.l1_pages + req.l2_pages, req.l3_pages)
-            mt.match_seconds.observe(time.perf_counter() - t0)
+            req.uncounted = time.perf_counter() - t0
+            if not defer_count:
+                self.count_match(req)
         return req
+
+    def count_match(self, req: Request) -> None:
+        """Count a match made with ``defer_count`` (a no-op for any other): the lookup, its L1 hit, the L3
+        pages the store reported, the match's latency."""
+        if req.uncounted is None:
+            return
+        mt = self.metrics
+        mt.lookups.inc()
+        mt.lookup_tokens.inc(req.num_pages * self.page_size)
+        mt.hit["l1"].inc(req.l1_pages * self.page_size)
+        if req.l3_pages:
+            mt.l3_matched_tokens.inc(req.l3_pages * self.page_size)
+        mt.match_seconds.observe(req.uncounted)
+        req.uncounted = None
 
     def peek(self, tokens: Sequence[int] | np.ndarray, ns: Namespace | None = None, *, l3: bool = True,
              keys: bool = True) -> Request:
@@ -690,6 +703,9 @@ class HiCache:
         a second release raises ``ValueError``."""
         if req.released:
             raise ValueError("release: request already released")
+        if req.uncounted is not None:  # a deferred match never counted: nor are its L2 / L3 runs
+            req.l2 = req.l3 = None
+            req.uncounted = None
         task = req.prefetch
         if task is not None:
             task.cancel()  # stops it and frees its pages, unless it was already finished ...

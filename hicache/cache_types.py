@@ -42,6 +42,7 @@ class Request:
     prefetch_start: int = 0  # the page its prefetch starts at
     l2: L2Tally | None = None  # what became of its L2 run, until counted (its load back, commit or release)
     l3: L3Tally | None = None  # what became of its L3 run, until counted (load back of its prefetch, release)
+    uncounted: float | None = None  # matched with defer_count: the match's seconds, until count_match
     released: bool = False
 
     @property

@@ -26,6 +26,7 @@ again instead of ALREADY_EXISTS: clients resend a Match whose reply was lost (:m
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
 import socket
@@ -166,6 +167,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     def _load(self, req: Request) -> LoadResult:
         load = self.cache.load_back(req, layer_wise=False)  # the reply comes once every layer is on L1
+        self.cache.count_match(req)  # a Match that loads counts once its load is under way (not when refused)
         load.wait()
         return load
 
@@ -352,7 +354,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     def _open(self, entry: Entry, tb: bytes, ns: Any, l3: bool, load: bool, keys: bool) -> Request:
         # Page keys are hashed here only when the store is asked or the caller wants them; otherwise
         # commit hashes them (once) when the request's pages enter the tree.
-        req = self.cache.match(np.frombuffer(tb, dtype="<u4"), ns, l3=l3, keys=keys)
+        req = self.cache.match(np.frombuffer(tb, dtype="<u4"), ns, l3=l3, keys=keys, defer_count=load)
         if load:
             try:
                 self._load(req)
@@ -627,7 +629,9 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     async def ReadPages(self, request: pb.ReadPagesRequest, context: Ctx) -> AsyncIterator[pb.PageChunk]:
         tb = token_bytes(request.tokens, request.token_ids, self.max_tokens)
         ns = self._ns(request.namespace)
-        req = await blocking(self.cache.match, np.frombuffer(tb, dtype="<u4"), ns)
+        # counted as a lookup once its load is under way (_load): a ReadPages refused for room counts nothing
+        req = await blocking(functools.partial(self.cache.match, defer_count=True), np.frombuffer(tb, dtype="<u4"),
+                             ns)
         try:
             if self.cache.storage is not None:
                 await blocking(self.cache.prefetch, req)

@@ -1,7 +1,8 @@
 """A node's L2 hit figures -- ``Stats.hit_tokens_l2``, ``hicache_hit_tokens_total{tier="l2"}`` and the bench's
 gRPC target -- count tokens loaded back onto L1, not tokens Match found on L2; peeks count in
 ``hicache_peeks_total`` only, not as lookups or hits. A real ``hicache serve`` whose L1 is taken whole by a
-request in flight when another request's Prefetch tries to load its L2 run."""
+request in flight when another request's Prefetch (or a Match that loads) tries to load its L2 run; a Match
+refused for it counts nothing."""
 
 from __future__ import annotations
 
@@ -53,6 +54,15 @@ def test_l2_hits_are_tokens_loaded_back(node: ServerProc) -> None:
         assert (st.lookups, st.lookup_tokens, st.hit_tokens_l1, st.hit_tokens_l2) == (
             base.lookups, base.lookup_tokens, base.hit_tokens_l1, base.hit_tokens_l2)
         assert scrape(node.metrics_port)[key("hicache_peeks_total")] == 1
+
+        # a Match that would load the run onto L1 and finds no room is refused, opens nothing, counts nothing
+        with pytest.raises(grpc.RpcError) as ei:
+            c.match(doc, "refused", load=True)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        st = c.stats()
+        assert (st.lookups, st.lookup_tokens, st.hit_tokens_l1, st.hit_tokens_l2, st.open_requests) == (
+            base.lookups, base.lookup_tokens, base.hit_tokens_l1, base.hit_tokens_l2, base.open_requests)
+        assert scrape(node.metrics_port).get(key("hicache_l2_unserved_tokens_total", reason="no_room"), 0) == 0
 
         # the L2 run finds no room on L1: recomputed, not a hit
         m = c.match(doc, "a")

@@ -135,7 +135,7 @@ class Soak:
         except grpc.RpcError as e:  # a load with every L1 page locked: refused, no request opened
             if not load or code(e) != grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise
-            t.add(full=1, lookups=1, lookup_pages=len(tokens) // PS)  # looked up before the load failed
+            t.add(full=1)  # refused: not counted as a lookup
             return
         t.add(lookups=1, lookup_pages=m.num_pages, l3_hits=m.l3_pages, plain_hits=0 if load else m.l1_pages)
         try:
@@ -201,7 +201,7 @@ class Soak:
             except grpc.RpcError as e:  # its load found every L1 page locked
                 if code(e) != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
-                t.add(full=1, lookups=1, lookup_pages=len(tokens) // PS)  # looked up before the load failed
+                t.add(full=1)  # refused: not counted as a lookup
                 return
             n = check_bytes(data, tenant, tokens, "ReadPages")
             t.add(lookups=1, lookup_pages=len(tokens) // PS, verified_read=n)
