@@ -267,15 +267,22 @@ class Router:
         """The routed request finished with ``code`` on its node; returns the node (None: unknown id, or
         one past twice its TTL). A route past its TTL no longer counts in flight, but its completion, up to
         another TTL later, still tells the node's breaker how the call went (a slow call that failed)."""
+        return self.complete_route(route_id, code)[0]
+
+    def complete_route(self, route_id: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> tuple[str | None, bool]:
+        """:meth:`complete`, and whether the route was past its TTL (late: its load had ended already)."""
         self.inflight.expire()  # a route past its TTL is gone, whether or not a Route call swept it yet
-        r = self.inflight.finish(route_id) or self.inflight.finish_late(route_id)
+        r = self.inflight.finish(route_id)
+        late = r is None
         if r is None:
-            return None
+            r = self.inflight.finish_late(route_id)
+            if r is None:
+                return None, False
         breaker = self.nodes[r.node].breaker
         trips = breaker.trips
         breaker.record(code, started=r.started)
         self._forget_if_opened(r.node, trips)
-        return r.node
+        return r.node, late
 
     def withdraw(self, route_id: str) -> bool:
         """Take back a route whose answer never reached its client (decided after the call's deadline): it

@@ -208,9 +208,9 @@ class RouterServicer(rpb_grpc.RouterServicer):
 
     async def Complete(self, request: rpb.CompleteRequest, context: Ctx) -> rpb.CompleteResponse:
         code = status_from_number(request.status_code)
-        node = self.router.complete(request.route_id, code)
+        node, late = self.router.complete_route(request.route_id, code)
         self.metrics.completed.labels(code.name).inc()
-        return rpb.CompleteResponse(known=node is not None, node=node or "")
+        return rpb.CompleteResponse(known=node is not None, node=node or "", late=late)
 
     async def ListNodes(self, request: rpb.ListNodesRequest, context: Ctx) -> rpb.ListNodesResponse:
         r = self.router

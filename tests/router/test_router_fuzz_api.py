@@ -125,8 +125,13 @@ class Completion:
     first_sent: float = math.inf
     true_at: float = math.inf  # the answer known=True came then
     trues: int = 0
+    lates: int = 0  # answers known=True, late=True: past its TTL (already counted as expired)
     last_false: float = -math.inf
     cut: int = 0
+
+    @property
+    def known(self) -> bool:
+        return self.trues + self.lates > 0
 
 
 @dataclass
@@ -181,9 +186,13 @@ class Ledger:
             if reply.known:
                 assert call is not None, f"Complete of {rid[:40]!r}, never routed, was known ({reply.node})"
                 assert reply.node == call.node, f"Complete of {rid!r}: node {reply.node!r}, routed to {call.node!r}"
-                d.trues += 1
-                d.true_at = min(d.true_at, now)
-                assert d.trues == 1, f"route {rid!r} completed {d.trues} times"
+                if reply.late:  # past its TTL (expired, counted in routes_expired): only its breaker heard of it
+                    assert call.sent + TTL_S <= now + SLACK_S, f"Complete of live route {rid!r}: late"
+                    d.lates += 1
+                else:
+                    d.trues += 1
+                    d.true_at = min(d.true_at, now)
+                assert d.trues + d.lates == 1, f"route {rid!r} completed {d.trues + d.lates} times"
             else:
                 assert not reply.node, f"Complete of an unknown route named node {reply.node!r}"
                 d.last_false = max(d.last_false, now)
@@ -214,14 +223,14 @@ class Ledger:
         with self.lock:
             for rid, d in self.done.items():
                 call = self.by_rid.get(rid)
-                if call is not None and d.trues == 0 and d.cut == 0 and d.answered:
+                if call is not None and d.trues == 0 and d.lates == 0 and d.cut == 0 and d.answered:
                     assert call.sent + TTL_S <= d.last_false + SLACK_S, f"route {rid!r}: every Complete said unknown"
 
     def open_routes(self) -> list[RouteCall]:
         """Routes the test holds the id of, not completed (known) and not left to expire."""
         with self.lock:
             return [c for c in self.calls if c.outcome == "ok" and c.rid and c.keep
-                    and self.done.get(c.rid, Completion()).trues == 0]
+                    and not self.done.get(c.rid, Completion()).known]
 
     def quiet_at(self) -> float:
         """When every route the router may still count will have expired."""
@@ -725,7 +734,7 @@ def settle_and_check(cl: Cluster) -> None:
         ok = sum(1 for c in led.calls if c.outcome == "ok" and not c.peek)
         unsure = sum(1 for c in led.calls if c.outcome in ("pending", "cut") and not c.peek)
         trues = sum(d.trues for d in led.done.values())
-        cut_completes = sum(1 for rid, d in led.done.items() if rid in led.by_rid and d.trues == 0 and d.cut)
+        cut_completes = sum(1 for rid, d in led.done.items() if rid in led.by_rid and not d.known and d.cut)
         calls, answered = led.complete_calls, led.complete_answered
     routed = {n.name: n.routed for n in listed.nodes}
     for n in NODES:

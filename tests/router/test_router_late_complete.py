@@ -33,11 +33,18 @@ def test_failures_reported_after_the_ttl_still_open_the_breaker() -> None:
     clock.t += TTL + 1  # every route is past its TTL: no longer load
     r.inflight.expire()
     assert r.inflight.count("a") == 0
-    assert r.complete(ids[0], grpc.StatusCode.UNAVAILABLE) == "a"  # late, still known
-    assert r.complete(ids[1], grpc.StatusCode.DEADLINE_EXCEEDED) == "a"
+    assert r.complete_route(ids[0], grpc.StatusCode.UNAVAILABLE) == ("a", True)  # late, still known
+    assert r.complete_route(ids[1], grpc.StatusCode.DEADLINE_EXCEEDED) == ("a", True)
     assert r.nodes["a"].breaker.state == "open" and r.nodes["a"].breaker.trips == 1
     assert r.complete(ids[0], grpc.StatusCode.UNAVAILABLE) is None  # once only
     assert r.inflight.count("a") == 0  # nothing counted back in flight
+
+
+def test_a_completion_in_time_is_not_late() -> None:
+    r, clock = late_router()
+    rid = r.route(tokens(9, 2).astype("<u4").tobytes()).route_id
+    clock.t += TTL - 1
+    assert r.complete_route(rid) == ("a", False) and r.inflight.count("a") == 0
 
 
 def test_a_completion_past_twice_the_ttl_is_unknown_and_changes_nothing() -> None:

@@ -80,12 +80,14 @@ class CompleteRequest(_message.Message):
     def __init__(self, route_id: _Optional[str] = ..., status_code: _Optional[int] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
-    __slots__ = ("known", "node")
+    __slots__ = ("known", "node", "late")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     known: bool
     node: str
-    def __init__(self, known: _Optional[bool] = ..., node: _Optional[str] = ...) -> None: ...
+    late: bool
+    def __init__(self, known: _Optional[bool] = ..., node: _Optional[str] = ..., late: _Optional[bool] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
