@@ -53,6 +53,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -135,24 +136,23 @@ def run_case(c: Case, src: HostPool, dst: HostPool, batch: int, client: redis.Re
     """One run: write every page, read them back, compare with what was written; returns the seconds of
     the writes and of the reads."""
     idx = list(range(src.num_pages))
+
+    def timed(op: Callable[[list[bytes], HostPool, list[int]], int], pool: HostPool, what: str) -> float:
+        t = time.perf_counter()
+        for lo, hi in batches(len(idx), batch):
+            got = op(c.keys[lo:hi], pool, idx[lo:hi])
+            if got != hi - lo:
+                raise RuntimeError(f"{where}: {what} {got}/{hi - lo} pages")
+        return time.perf_counter() - t
+
     c.backend.delete(c.keys)
     used0 = int(client.info("memory")["used_memory"]) if client is not None else 0
-    t = time.perf_counter()
-    for lo, hi in batches(len(idx), batch):
-        got = c.backend.batch_set(c.keys[lo:hi], src, idx[lo:hi])
-        if got != hi - lo:
-            raise RuntimeError(f"{where}: batch_set stored {got}/{hi - lo} pages")
-    t_set = time.perf_counter() - t
+    t_set = timed(c.backend.batch_set, src, "batch_set stored")
     if client is not None:
         c.used_memory = int(client.info("memory")["used_memory"]) - used0
         c.mem = redis_memory(c.backend, client, c.keys)
     dst.buffer.view(torch.uint8).fill_(0xA5)
-    t = time.perf_counter()
-    for lo, hi in batches(len(idx), batch):
-        got = c.backend.batch_get(c.keys[lo:hi], dst, idx[lo:hi])
-        if got != hi - lo:
-            raise RuntimeError(f"{where}: batch_get read {got}/{hi - lo} pages")
-    t_get = time.perf_counter() - t
+    t_get = timed(c.backend.batch_get, dst, "batch_get read")
     if not torch.equal(src.buffer.view(torch.uint8), dst.buffer.view(torch.uint8)):
         raise RuntimeError(f"{where}: the pages read back differ from the pages written")
     return t_set, t_get

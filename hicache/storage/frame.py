@@ -77,6 +77,16 @@ def _pad32(b: bytes) -> bytes:
     return b.ljust(32, b"\0")
 
 
+def _names(f_ns: bytes, f_key: bytes, ns: bytes, key: bytes) -> tuple[bytes, bytes]:
+    """``(ns, key)`` padded as frames hold them, once the frame's own fields are checked against them."""
+    ns32, key32 = _pad32(ns), _pad32(key)
+    if f_ns != ns32:
+        raise FrameError("foreign namespace")
+    if f_key != key32:
+        raise FrameError("key mismatch")
+    return ns32, key32
+
+
 def encode_header(payload: bytes | memoryview, ns: bytes, key: bytes) -> bytes:
     ns32, key32 = _pad32(ns), _pad32(key)
     return _HEADER.pack(MAGIC, FRAME_VERSION, 0, ns32, key32, len(payload), _checksum(ns32, key32, payload))
@@ -98,11 +108,7 @@ def decode_frame(blob: bytes | memoryview, ns: bytes, key: bytes, expected_len: 
         raise FrameError(f"unsupported frame version {version}")
     if flags:  # (no flag is defined for a page stored as it is: a set bit is damage)
         raise FrameError(f"unknown flags {flags:#x}")
-    ns32, key32 = _pad32(ns), _pad32(key)
-    if f_ns != ns32:
-        raise FrameError("foreign namespace")
-    if f_key != key32:
-        raise FrameError("key mismatch")
+    ns32, key32 = _names(f_ns, f_key, ns, key)
     if length != len(view) - HEADER_BYTES or (expected_len is not None and length != expected_len):
         raise FrameError("payload length mismatch")
     payload = view[HEADER_BYTES:]
@@ -141,11 +147,7 @@ def unpack_page(blob: bytes | bytearray | memoryview, ns: bytes, key: bytes, dst
         raise NewerFormat(f"frame version {version} (this release reads {FRAME_VERSION} and {PACKED_VERSION})")
     if version != PACKED_VERSION:
         raise FrameError(f"unsupported frame version {version}")
-    ns32, key32 = _pad32(ns), _pad32(key)
-    if f_ns != ns32:
-        raise FrameError("foreign namespace")
-    if f_key != key32:
-        raise FrameError("key mismatch")
+    ns32, key32 = _names(f_ns, f_key, ns, key)
     if length != len(view) - HEADER_BYTES or length >= len(dst):
         raise FrameError("payload length mismatch")
     payload = view[HEADER_BYTES:]
