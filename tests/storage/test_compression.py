@@ -104,6 +104,43 @@ def test_kv_pages_are_stored_smaller_and_noise_as_it_is(codec: str) -> None:
         else payload == noise
 
 
+def test_planes_of_noise_are_not_tried_again_but_on_probe_pages() -> None:
+    codec = make_codec("zstd")
+    tried: list[int] = []
+    inner = codec._codec  # type: ignore[attr-defined]
+
+    class Counting:
+        def compress(self, data: object, asbytes: bool = False) -> bytes:
+            tried.append(len(memoryview(data)))  # type: ignore[arg-type]
+            return inner.compress(data, asbytes=asbytes)
+
+        def decompress(self, data: object, decompressed_size: int) -> object:
+            return inner.decompress(data, decompressed_size=decompressed_size)
+
+    codec._codec = Counting()  # type: ignore[attr-defined]
+    skip, every = codec.SKIP_AFTER, codec.PROBE_EVERY  # type: ignore[attr-defined]
+    kv = kv_like(PAGE, 50)
+    for i in range(1, every + 1):  # pages of KV: the low-byte plane is noise, the high one compresses
+        tried.clear()
+        stored = codec.compress(memoryview(kv), 2)
+        assert stored is not None
+        out = bytearray(PAGE)
+        codec.decompress_into(memoryview(stored), 2, memoryview(out))
+        assert bytes(out) == kv
+        assert len(tried) == (1 if skip < i < every else 2), i  # the noise plane: tried until skipped, then probed
+    noise = np.random.default_rng(1).bytes(PAGE)
+    for _ in range(skip):
+        assert codec.compress(memoryview(noise), 2) is None  # the high plane turns raw too ...
+    tried.clear()
+    assert codec.compress(memoryview(kv), 2) is None and not tried  # ... and both are skipped: stored as it is
+    while codec._pages % every:  # type: ignore[attr-defined]
+        codec.compress(memoryview(noise), 2)
+    # (that was the probe page, of noise) -- the next probe tries again and KV compresses again
+    for _ in range(every - 1):
+        codec.compress(memoryview(noise), 2)
+    assert codec.compress(memoryview(kv), 2) is not None
+
+
 @pytest.mark.parametrize("elem", [2, 4, 8])
 def test_shuffle_and_unshuffle_are_inverse(elem: int) -> None:
     page = np.random.default_rng(elem).bytes(64 * elem)
