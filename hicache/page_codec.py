@@ -176,26 +176,24 @@ class _ArrowCodec(PageCodec):
     def compress(self, page: memoryview, elem: int) -> bytes | None:
         if len(page) % elem:
             raise ValueError(f"page of {len(page)} bytes is not whole {elem}-byte elements")
-        planes = shuffle(page, elem).reshape(elem, -1)
-        table: list[int] = []
-        parts: list[bytes | memoryview] = []
         self._pages += 1
         probe = self._pages % self.PROBE_EVERY == 0
-        for k, plane in enumerate(planes):
-            key = (elem, k)
-            if self._raw_runs.get(key, 0) >= self.SKIP_AFTER and not probe:  # noise, lately: no trial
-                packed = None
-            else:
-                packed = self._codec.compress(plane, asbytes=True)
-                assert isinstance(packed, bytes)
-                if len(packed) >= len(plane):
-                    packed = None
-            if packed is not None:
-                self._raw_runs[key] = 0
+        runs = [self._raw_runs.get((elem, k), 0) for k in range(elem)]
+        skip = [not probe and n >= self.SKIP_AFTER for n in runs]  # noise, lately: no trial
+        if all(skip):  # every plane noise lately: stored as it is, without even a shuffle
+            for k in range(elem):
+                self._raw_runs[(elem, k)] = runs[k] + 1
+            return None
+        table: list[int] = []
+        parts: list[bytes | memoryview] = []
+        for k, plane in enumerate(shuffle(page, elem).reshape(elem, -1)):
+            packed = None if skip[k] else self._codec.compress(plane, asbytes=True)
+            if isinstance(packed, bytes) and len(packed) < len(plane):
+                self._raw_runs[(elem, k)] = 0
                 table.append(len(packed))
                 parts.append(packed)
             else:
-                self._raw_runs[key] = self._raw_runs.get(key, 0) + 1
+                self._raw_runs[(elem, k)] = runs[k] + 1
                 table.append(len(plane) | _RAW)
                 parts.append(plane.data)
         size = 4 * elem + sum(n & ~_RAW for n in table)

@@ -11,6 +11,7 @@ and checks, token for token, every counter that moved; the bench's in-process ta
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -62,13 +63,8 @@ def storage_io(cache: HiCache, before: dict[tuple[str, tuple[tuple[str, str], ..
             and v != before.get(k, 0.0)}
 
 
-def test_loaded_back_is_a_hit(cache: HiCache) -> None:
-    doc = prompt(1, 6)
-    kv = on_l2(cache, doc)
-    led = Ledger(cache)
-    req = cache.match(doc)
-    assert (req.l1_pages, req.l2_pages) == (0, 6)
-    led.step("matched", lookups(1, 24))  # not a hit yet: nothing is on L1 for it
+def land(cache: HiCache, led: Ledger, req: Request, kv: Any) -> None:
+    """Load the request's 6-page L2 run back (a hit of 24 tokens, the KV written), then release it."""
     load = cache.load_back(req)
     load.wait()
     assert kv_equal(read_kv(cache, load.device_indices), kv)
@@ -76,6 +72,16 @@ def test_loaded_back_is_a_hit(cache: HiCache) -> None:
              {key("hicache_pool_used_pages", tier="l1"): 6})
     cache.release(req)
     led.step("released")
+
+
+def test_loaded_back_is_a_hit(cache: HiCache) -> None:
+    doc = prompt(1, 6)
+    kv = on_l2(cache, doc)
+    led = Ledger(cache)
+    req = cache.match(doc)
+    assert (req.l1_pages, req.l2_pages) == (0, 6)
+    led.step("matched", lookups(1, 24))  # not a hit yet: nothing is on L1 for it
+    land(cache, led, req, kv)
 
 
 def test_no_room_on_l1_is_not_a_hit(cache: HiCache) -> None:
@@ -105,13 +111,7 @@ def test_no_room_then_room_is_a_hit(cache: HiCache) -> None:
         cache.load_back(req)
     cache.release(hog)
     led.step("refused, then room", lookups(1, 24), {key("hicache_pool_used_pages", tier="l1"): 0})
-    load = cache.load_back(req)
-    load.wait()
-    assert kv_equal(read_kv(cache, load.device_indices), kv)
-    led.step("loaded back", merge(hits(l2=24), loadback(24, 6 * cache.layout.bytes_per_page)),
-             {key("hicache_pool_used_pages", tier="l1"): 6})
-    cache.release(req)
-    led.step("released")
+    land(cache, led, req, kv)
 
 
 def test_released_before_load_back(cache: HiCache) -> None:

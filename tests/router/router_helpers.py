@@ -90,3 +90,13 @@ class CacheNode:
         c.commit(req, toks, np.concatenate([load.device_indices, new]))
         c.release(req)
         return hit
+
+
+class Clock:
+    """A clock the test moves by hand (``clock.t += s``)."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t

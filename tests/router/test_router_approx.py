@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
-from router_helpers import PS, event, node_config, router_config, tokens
+from router_helpers import PS, Clock, event, node_config, router_config, tokens
 from test_router_integration import serve_on, start_nodes
 
 from hicache.cli import main as cli_main
@@ -26,14 +26,6 @@ from hicache.router.index import KVIndex
 from hicache.router.server import RouterServer
 
 DOC = 6  # pages of a document
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def approx_router(nodes: list[str], clock: Clock | None = None, **kw: object) -> Router:

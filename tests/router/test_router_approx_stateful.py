@@ -18,7 +18,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from prometheus_client import CollectorRegistry
-from router_helpers import PS, node_config, router_config, tokens
+from router_helpers import PS, Clock, node_config, router_config, tokens
 
 from hicache.keys import page_keys_from_bytes
 from hicache.router import Router
@@ -29,14 +29,6 @@ NODES = ("a", "b", "c")
 CODES = (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
          grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 COOLDOWN = 5.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class ApproxRouterMachine(RuleBasedStateMachine):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from router_helpers import Clock
 
 from hicache.router.breaker import CircuitBreaker, status_from_number
 
@@ -12,16 +13,8 @@ CLIENT_ERRORS = [C.INVALID_ARGUMENT, C.NOT_FOUND, C.FAILED_PRECONDITION, C.ALREA
                  C.UNAUTHENTICATED, C.PERMISSION_DENIED, C.CANCELLED, C.INTERNAL]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_client_errors_never_open_it() -> None:
-    b = CircuitBreaker(failure_threshold=2, clock=Clock())
+    b = CircuitBreaker(failure_threshold=2, clock=Clock(0.0))
     for _ in range(50):
         for code in CLIENT_ERRORS:
             b.record(code)
@@ -34,7 +27,7 @@ def test_client_errors_never_open_it() -> None:
 
 
 def test_consecutive_transport_failures_open_then_half_open_then_close() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     b = CircuitBreaker(failure_threshold=3, cooldown_s=5, max_cooldown_s=20, clock=clock)
     b.record(C.UNAVAILABLE)
     b.record(C.UNAVAILABLE)
@@ -57,7 +50,7 @@ def test_consecutive_transport_failures_open_then_half_open_then_close() -> None
 
 
 def test_cooldown_is_capped_and_arguments_checked() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     b = CircuitBreaker(failure_threshold=1, cooldown_s=4, max_cooldown_s=10, clock=clock)
     for _ in range(5):
         b.record(C.UNAVAILABLE)
@@ -75,7 +68,7 @@ def test_status_numbers() -> None:
 
 
 def test_a_late_success_of_a_call_begun_before_it_opened_leaves_it_open() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     b = CircuitBreaker(failure_threshold=1, cooldown_s=5, clock=clock)
     begun = clock.t  # a request routed here, served, its Complete still on the way
     clock.t += 1
@@ -93,7 +86,7 @@ def test_router_complete_ignores_a_late_success_once_the_node_is_out() -> None:
 
     from hicache.router.core import Router
 
-    clock = Clock()
+    clock = Clock(0.0)
     r = Router(node_config(), router_config(["a"], breaker_failures=1))
     r.inflight._clock = clock
     r.nodes["a"].breaker._clock = clock

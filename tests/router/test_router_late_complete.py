@@ -4,19 +4,11 @@ breaker still hears how the call went (a slow call that failed), for up to anoth
 from __future__ import annotations
 
 import grpc
-from router_helpers import node_config, router_config, tokens
+from router_helpers import Clock, node_config, router_config, tokens
 
 from hicache.router import Router
 
 TTL = 10.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def late_router(**kw: object) -> tuple[Router, Clock]:

@@ -6,7 +6,7 @@ import collections
 
 import grpc
 import pytest
-from router_helpers import PS, event, node_config, router_config, run, tokens
+from router_helpers import PS, Clock, event, node_config, router_config, run, tokens
 
 from hicache.router import scoring
 from hicache.router.core import Router
@@ -107,14 +107,6 @@ def test_policy_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---------------------------------------------------------------------- router-level load accounting
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def router_with_prefix(clock: Clock, **kw: object) -> tuple[Router, bytes]:
