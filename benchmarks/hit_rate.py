@@ -12,7 +12,8 @@ those stay under 90% of the optimum, the gap is Belady's knowledge of the future
 
     python benchmarks/hit_rate.py [--requests 600] [--mooncake PATH] [--json out/hit_rate.json]
 
-Also available as ``hicache bench --policy-table [--trace PATH]``.
+Also available as ``hicache bench --policy-table [--trace PATH]``. ``benchmarks/online_bounds.py`` shows how
+close policies told more than any online policy knows get to the optimum.
 """
 
 from __future__ import annotations

@@ -30,6 +30,12 @@ WORKLOADS = ("rag", "fewshot", "multiturn", "mixed")
 VOLATILE = ("timestamp", "session", "request_id")
 _VOCAB = 32000
 _EPOCH = dt.datetime(2026, 12, 2, 9, 0, 0)
+# multiturn's law: a conversation runs a uniform number of turns in MULTITURN_TURNS; one joins whenever fewer
+# than MULTITURN_MIN_ACTIVE are open, else with probability MULTITURN_JOIN per request; each request continues
+# an open conversation chosen uniformly
+MULTITURN_TURNS = (2, 12)
+MULTITURN_MIN_ACTIVE = 8
+MULTITURN_JOIN = 0.15
 
 
 @dataclass
@@ -162,8 +168,8 @@ def multiturn(spec: WorkloadSpec, tok: WordTokenizer, count: int | None = None) 
     active: list[dict[str, object]] = []
     out: list[TraceRequest] = []
     while len(out) < n:
-        if len(active) < 8 or g.rng.random() < 0.15:
-            active.append({"id": g.uid(), "history": np.empty(0, np.uint32), "turns": g.length(2, 12)})
+        if len(active) < MULTITURN_MIN_ACTIVE or g.rng.random() < MULTITURN_JOIN:
+            active.append({"id": g.uid(), "history": np.empty(0, np.uint32), "turns": g.length(*MULTITURN_TURNS)})
         i = int(g.rng.integers(len(active)))
         conv = active[i]
         sid = str(conv["id"])
