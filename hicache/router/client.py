@@ -4,23 +4,45 @@
         d = await r.route(tokens, tenant="acme")      # d.node, d.address, d.l1_pages, d.reason, d.scores
         ... send the request to d.address ...
         await r.complete(d.route_id, grpc.StatusCode.OK)   # or the status the node call ended with
+
+Every Route names its request (``request_id``: the caller's, or a fresh one), so a Route whose connection
+dropped before the reply came back is sent again as the same request and gets the route the router already
+made (``replayed``), instead of leaving a second one in flight until the router's TTL. Complete is repeated
+the same way (a repeat finds the route finished and changes nothing). Both retry UNAVAILABLE as
+:class:`~hicache.client.RetryPolicy` says, within the call's timeout; the router's own "no node can take
+the request" is not retried.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
+from typing import Any, TypeVar
 
 import grpc
 
-from hicache.client._common import ChannelSettings, Tokens, encode_tokens, ns_ref
+from hicache.client._common import (
+    ChannelSettings,
+    RetryPolicy,
+    Tokens,
+    encode_tokens,
+    new_request_id,
+    ns_ref,
+    retryable,
+)
 from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
 from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
+from hicache.router.core import NO_NODE
+
+R = TypeVar("R")
 
 
 class AsyncRouterClient:
     def __init__(self, target: str, *, token: str = "", timeout_s: float = 5.0, root_certificates: str = "",
-                 client_cert: str = "", client_key: str = "", tls: bool = False) -> None:
+                 client_cert: str = "", client_key: str = "", tls: bool = False,
+                 retry: RetryPolicy | None = None) -> None:
         self.settings = ChannelSettings(target, token, root_certificates, client_cert, client_key, tls)
         creds = self.settings.credentials()
         opts = self.settings.options()
@@ -28,23 +50,44 @@ class AsyncRouterClient:
                         else grpc.aio.insecure_channel(target, options=opts))
         self.stub = rpb_grpc.RouterStub(self.channel)
         self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
         self._md = self.settings.metadata()
 
+    async def _call(self, method: Callable[..., Awaitable[R]], request: Any) -> R:
+        """One unary call whose repeat changes nothing, tried again on UNAVAILABLE within ``timeout_s``,
+        except the router's refusal for want of a node (a retry would only be refused again)."""
+        end = time.monotonic() + self.timeout_s
+        attempt = 0
+        while True:
+            try:
+                return await method(request, timeout=max(0.001, end - time.monotonic()), metadata=self._md)
+            except grpc.aio.AioRpcError as e:
+                attempt += 1
+                if (not retryable(e, True) or (e.details() or "").startswith(NO_NODE)
+                        or attempt >= self.retry.attempts):
+                    raise
+                pause = self.retry.delay(attempt - 1)
+                if time.monotonic() + pause >= end:
+                    raise
+                await asyncio.sleep(pause)
+
     async def route(self, tokens: Tokens, *, tenant: str = "", policy: str = "", exclude: Sequence[str] = (),
-                    peek: bool = False) -> rpb.RouteResponse:
+                    peek: bool = False, request_id: str | None = None) -> rpb.RouteResponse:
+        """Where to send the request. ``request_id``: the caller's name for it (default: a fresh one);
+        reusing it for another request while its route is in flight is refused (ALREADY_EXISTS)."""
+        rid = "" if peek else request_id or new_request_id()
         req = rpb.RouteRequest(namespace=ns_ref(tenant), tokens=encode_tokens(tokens), policy=policy,
-                               exclude_nodes=list(exclude), peek=peek)
-        r: rpb.RouteResponse = await self.stub.Route(req, timeout=self.timeout_s, metadata=self._md)
+                               exclude_nodes=list(exclude), peek=peek, request_id=rid)
+        r: rpb.RouteResponse = await self._call(self.stub.Route, req)
         return r
 
     async def complete(self, route_id: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> rpb.CompleteResponse:
         req = rpb.CompleteRequest(route_id=route_id, status_code=code.value[0])
-        r: rpb.CompleteResponse = await self.stub.Complete(req, timeout=self.timeout_s, metadata=self._md)
+        r: rpb.CompleteResponse = await self._call(self.stub.Complete, req)
         return r
 
     async def list_nodes(self) -> rpb.ListNodesResponse:
-        r: rpb.ListNodesResponse = await self.stub.ListNodes(rpb.ListNodesRequest(), timeout=self.timeout_s,
-                                                             metadata=self._md)
+        r: rpb.ListNodesResponse = await self._call(self.stub.ListNodes, rpb.ListNodesRequest())
         return r
 
     async def close(self) -> None:

@@ -17,6 +17,7 @@ the chosen node (:class:`hicache.router.approx.ApproxIndex`), and the same scori
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,10 +34,17 @@ from hicache.router.config import NodeSpec, RouterConfig, check_approx_capacity
 from hicache.router.index import NO_MATCH, Applied, KVIndex
 from hicache.router.load import InflightTracker, QueueDepth
 from hicache.router.scoring import Candidate, RoutingPolicy, Score, create_policy, policy_names
-from hicache.service.validation import shown
+from hicache.service.validation import MAX_ID_BYTES, shown
 
 log = logging.getLogger("hicache.router")
 LISTED = 8  # items an error message lists, at most: gRPC sends it in a trailer that clients cap (8 KiB)
+
+
+def _fingerprint(token_bytes: bytes, policy: str, exclude: Sequence[str]) -> bytes:
+    """What makes two Route calls the same request: tokens, policy and excluded nodes."""
+    h = hashlib.blake2b(token_bytes, digest_size=16)
+    h.update(repr((policy, sorted(exclude))).encode())
+    return h.digest()
 
 
 def listed(items: Sequence[str]) -> str:
@@ -47,6 +55,13 @@ def listed(items: Sequence[str]) -> str:
 
 class NoNodeError(Exception):
     """No node can take the request (all excluded, breakers open or namespaces disagreeing)."""
+
+
+NO_NODE = "no node can take the request"  # how a NoNodeError's message starts (clients tell it from a lost link)
+
+
+class RequestIdConflict(Exception):
+    """A Route named a request id that is in flight for another request."""
 
 
 @dataclass
@@ -104,6 +119,7 @@ class RouteDecision(NamedTuple):
     policy: str  # the policy that chose
     reason: str  # the policy's why: prefix | balance | hot_spot | round_robin | least_load (built-ins)
     scores: dict[str, ScoredNode]  # every node, configuration order
+    replayed: bool = False  # the route already made for the request's id, returned again as it was decided
 
 
 class Router:
@@ -215,13 +231,34 @@ class Router:
 
     # ------------------------------------------------------------------ decisions
     def route(self, token_bytes: bytes, tenant: str = "", policy: str = "", exclude: Sequence[str] = (),
-              peek: bool = False) -> RouteDecision:
+              peek: bool = False, request_id: str = "") -> RouteDecision:
         """Choose a node for the request (uint32 LE ``token_bytes``); counts it in flight unless ``peek``.
 
-        ``ValueError`` for an unknown policy or node name; :class:`NoNodeError` when nothing is eligible.
-        Their messages quote at most a few names, each cut short (:func:`listed`, ``shown``): a client's
-        strings, or a long node list, echoed whole would make the refusal too long for the client to read.
+        ``request_id`` (not with ``peek``): the client's name for the request, unique per tenant among its
+        routes in flight. While the route made under it is in flight, a repeat of the same request (tokens,
+        policy, excluded nodes) returns that decision again, ``replayed`` and counting nothing: a client
+        whose reply was lost retries without a second route staying in flight until the TTL. The same id
+        with another request raises :class:`RequestIdConflict`; after Complete, withdrawal or the TTL the
+        id routes anew.
+
+        ``ValueError`` for an unknown policy or node name, or an id over ``MAX_ID_BYTES``;
+        :class:`NoNodeError` when nothing is eligible. Their messages quote at most a few names, each cut
+        short (:func:`listed`, ``shown``): a client's strings, or a long node list, echoed whole would make
+        the refusal too long for the client to read.
         """
+        key: tuple[str, str] | None = None
+        if request_id and not peek:
+            if len(request_id.encode()) > MAX_ID_BYTES:
+                raise ValueError(f"request_id: longer than {MAX_ID_BYTES} bytes")
+            key = (tenant, request_id)
+            self.inflight.expire()
+            seen = self.inflight.named(key)
+            if seen is not None:
+                _, (mark, decision) = seen
+                if mark != _fingerprint(token_bytes, policy, exclude):
+                    raise RequestIdConflict(f"request_id {shown(request_id)} is in flight for another request "
+                                            "(other tokens, policy or excluded nodes); Complete its route first")
+                return decision._replace(replayed=True)  # type: ignore[no-any-return]
         pol = self.policies.get(policy or self.rconfig.policy)
         if pol is None:
             raise ValueError(f"policy: unknown {shown(policy)}; known: {policy_names()}")
@@ -247,7 +284,7 @@ class Router:
             if not why:
                 cands.append(c)
         if not cands:
-            raise NoNodeError("no node can take the request: " + listed(
+            raise NoNodeError(f"{NO_NODE}: " + listed(
                 [f"{n}: {s.why_not}" for n, s in scored.items()]) if scored else "no nodes configured")
         d = pol.choose(cands, len(keys))
         for c, s in zip(cands, d.scores, strict=True):
@@ -260,8 +297,11 @@ class Router:
             st.routed += 1
             if self.approx is not None:
                 self._latest = (rid, chosen.node, self.approx.record(chosen.node, keys))
-        return RouteDecision(rid, chosen.node, st.spec.address, chosen.l1_pages, chosen.l2_pages, len(keys),
-                             pol.name, d.reason, scored)
+        decision = RouteDecision(rid, chosen.node, st.spec.address, chosen.l1_pages, chosen.l2_pages, len(keys),
+                                 pol.name, d.reason, scored)
+        if key is not None:
+            self.inflight.name(rid, key, (_fingerprint(token_bytes, policy, exclude), decision))
+        return decision
 
     def complete(self, route_id: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> str | None:
         """The routed request finished with ``code`` on its node; returns the node (None: unknown id, or

@@ -18,14 +18,15 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
 
 
 class Inflight(NamedTuple):
     node: str
     deadline: float
     started: float  # when it was routed (the tracker's clock)
+    key: Hashable = None  # the client's name for the request (None: unnamed)
 
 
 class InflightTracker:
@@ -43,6 +44,7 @@ class InflightTracker:
         # says how the node did (a slow call that failed is a failure), though it no longer counts as load
         self._late: collections.OrderedDict[str, Inflight] = collections.OrderedDict()
         self._counts: collections.Counter[str] = collections.Counter()
+        self._named: dict[Hashable, tuple[str, Any]] = {}  # request key -> (route id, what start() kept)
         self._ids = itertools.count(1)
         self._prefix = f"{int(time.time() * 1000) & 0xFFFFFFFF:08x}"
         self.expired = 0  # routes dropped at the TTL
@@ -55,13 +57,31 @@ class InflightTracker:
         self._counts[node] += 1
         return rid
 
+    def name(self, route_id: str, key: Hashable, kept: Any = None) -> None:
+        """Let ``key`` (the client's name for the request) find ``route_id``, and ``kept``, through
+        :meth:`named` while the route is in flight (a later route of the same key takes the name over)."""
+        r = self._routes.get(route_id)
+        if r is None or key is None:
+            raise KeyError(f"route {route_id!r} is not in flight, or no key")
+        self._routes[route_id] = r._replace(key=key)
+        self._named[key] = (route_id, kept)
+
+    def named(self, key: Hashable) -> tuple[str, Any] | None:
+        """The route id of the request named ``key`` still in flight, and what :meth:`start` kept with it."""
+        return self._named.get(key)
+
     def finish(self, route_id: str) -> Inflight | None:
         """Stop counting ``route_id``; returns its record (None: unknown or expired)."""
         r = self._routes.pop(route_id, None)
         if r is None:
             return None
         self._dec(r.node)
+        self._unname(route_id, r)
         return r
+
+    def _unname(self, route_id: str, r: Inflight) -> None:
+        if r.key is not None and self._named.get(r.key, ("",))[0] == route_id:
+            del self._named[r.key]
 
     def finish_late(self, route_id: str) -> Inflight | None:
         """The record of ``route_id`` if it was dropped at the TTL less than another TTL ago (once only)."""
@@ -77,6 +97,7 @@ class InflightTracker:
                 break
             del self._routes[rid]
             self._dec(r.node)
+            self._unname(rid, r)
             self._late[rid] = r._replace(deadline=r.deadline + self.ttl_s)
             n += 1
         while self._late:

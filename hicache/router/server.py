@@ -29,7 +29,7 @@ from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
 from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
 from hicache.router.breaker import status_from_number
 from hicache.router.config import RouterConfig
-from hicache.router.core import NoNodeError, RouteDecision, Router
+from hicache.router.core import NoNodeError, RequestIdConflict, RouteDecision, Router
 from hicache.router.feed import NodeFeed
 from hicache.service.auth import BearerTokenInterceptor, server_credentials
 from hicache.service.decode import DecodeGuard
@@ -73,6 +73,9 @@ class RouterMetrics:
         self.unanswered = Counter("hicache_router_routes_unanswered", "Routes decided after the call's "
                                   "deadline: refused with DEADLINE_EXCEEDED, not counted in flight",
                                   registry=r)
+        self.replayed = Counter("hicache_router_routes_replayed", "Route calls answered with the route already "
+                                "made for their request_id (a retry after a lost reply): nothing counted again",
+                                registry=r)
         self.expired = Counter("hicache_router_routes_expired", "Routes dropped at the TTL (never completed)",
                                registry=r)
         self.node_up = Gauge("hicache_router_node_connected", "Event stream in sync, by node", ["node"], registry=r)
@@ -162,7 +165,7 @@ def decision_pb(d: RouteDecision, page_size: int) -> rpb.RouteResponse:
             cost=sc.cost if sc else 0.0, eligible=sc is not None, why_not=s.why_not))
     return rpb.RouteResponse(route_id=d.route_id, node=d.node, address=d.address, l1_pages=d.l1_pages,
                              l2_pages=d.l2_pages, num_pages=d.num_pages, page_size=page_size, policy=d.policy,
-                             reason=d.reason, scores=scores)
+                             reason=d.reason, scores=scores, replayed=d.replayed)
 
 
 class RouterServicer(rpb_grpc.RouterServicer):
@@ -181,15 +184,21 @@ class RouterServicer(rpb_grpc.RouterServicer):
             left = context.time_remaining()
             if left is not None and left <= 0:  # no one waits for the answer: route nothing, count nothing
                 raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before routing")
-            d = r.route(tb, ns.tenant, request.policy, list(request.exclude_nodes), request.peek)
+            d = r.route(tb, ns.tenant, request.policy, list(request.exclude_nodes), request.peek,
+                        request.request_id)
         except ServiceError as e:
             await context.abort(e.code, e.message)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestIdConflict as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except NoNodeError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         m = self.metrics
         m.route_seconds.observe(time.perf_counter() - t0)
+        if d.replayed:  # a retry of a route already made and counted: it stays in flight for its Complete
+            m.replayed.inc()
+            return decision_pb(d, r.page_size)
         if d.route_id:
             left = context.time_remaining()
             # Decided after the client's deadline: the client has given up and never learns the route id, so

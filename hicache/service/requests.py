@@ -25,9 +25,7 @@ from typing import Any
 import grpc
 
 from hicache.cache import Request
-from hicache.service.validation import ServiceError, shown
-
-MAX_ID_BYTES = 128
+from hicache.service.validation import MAX_ID_BYTES, ServiceError, shown
 
 
 @dataclass

@@ -21,6 +21,7 @@ import numpy as np
 from hicache.keys import MAX_TOKEN_ID, Namespace
 
 MAX_TENANT_BYTES = 256
+MAX_ID_BYTES = 128  # a client's request id (a node's Match, a router's Route)
 _NS_CACHE_SIZE = 4096
 SHOWN_CHARS = 64  # at most this much of a client's string goes back in an error message
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as hicache_dot_v1_dot_hicache__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17hicache/v1/router.proto\x12\nhicache.v1\x1a\x18hicache/v1/hicache.proto\"\x93\x01\n\x0cRouteRequest\x12+\n\tnamespace\x18\x01 \x01(\x0b\x32\x18.hicache.v1.NamespaceRef\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x15\n\rexclude_nodes\x18\x05 \x03(\t\x12\x0c\n\x04peek\x18\x06 \x01(\x08\"\xba\x01\n\tNodeScore\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08l1_pages\x18\x02 \x01(\r\x12\x10\n\x08l2_pages\x18\x03 \x01(\r\x12\x14\n\x0cprefix_score\x18\x04 \x01(\x01\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x0c\n\x04load\x18\x07 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x08 \x01(\x01\x12\x10\n\x08\x65ligible\x18\t \x01(\x08\x12\x0f\n\x07why_not\x18\n \x01(\t\"\xd1\x01\n\rRouteResponse\x12\x10\n\x08route_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08l1_pages\x18\x04 \x01(\r\x12\x10\n\x08l2_pages\x18\x05 \x01(\r\x12\x11\n\tnum_pages\x18\x06 \x01(\r\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\x0e\n\x06reason\x18\t \x01(\t\x12%\n\x06scores\x18\n \x03(\x0b\x32\x15.hicache.v1.NodeScore\"8\n\x0f\x43ompleteRequest\x12\x10\n\x08route_id\x18\x01 \x01(\t\x12\x13\n\x0bstatus_code\x18\x02 \x01(\x05\"=\n\x10\x43ompleteResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0c\n\x04late\x18\x03 \x01(\x08\"\x12\n\x10ListNodesRequest\"\x8f\x02\n\x08NodeInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x11\n\tserver_id\x18\x04 \x01(\t\x12\x16\n\x0e\x65vent_sequence\x18\x05 \x01(\x04\x12\x0f\n\x07resyncs\x18\x06 \x01(\x04\x12\x10\n\x08l1_pages\x18\x07 \x01(\x04\x12\x10\n\x08l2_pages\x18\x08 \x01(\x04\x12\x11\n\tin_flight\x18\t \x01(\r\x12\x13\n\x0bqueue_depth\x18\n \x01(\r\x12\x0f\n\x07\x62reaker\x18\x0b \x01(\t\x12\x0e\n\x06routed\x18\x0c \x01(\x04\x12\x14\n\x0cnamespace_ok\x18\r \x01(\x08\x12\x12\n\nlast_error\x18\x0e \x01(\t\"Z\n\x11ListNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.hicache.v1.NodeInfo\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\t2\xd7\x01\n\x06Router\x12<\n\x05Route\x12\x18.hicache.v1.RouteRequest\x1a\x19.hicache.v1.RouteResponse\x12\x45\n\x08\x43omplete\x12\x1b.hicache.v1.CompleteRequest\x1a\x1c.hicache.v1.CompleteResponse\x12H\n\tListNodes\x12\x1c.hicache.v1.ListNodesRequest\x1a\x1d.hicache.v1.ListNodesResponseB8Z6github.com/hicache/hicache/gen/go/hicache/v1;hicachev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17hicache/v1/router.proto\x12\nhicache.v1\x1a\x18hicache/v1/hicache.proto\"\xa7\x01\n\x0cRouteRequest\x12+\n\tnamespace\x18\x01 \x01(\x0b\x32\x18.hicache.v1.NamespaceRef\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x15\n\rexclude_nodes\x18\x05 \x03(\t\x12\x0c\n\x04peek\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\xba\x01\n\tNodeScore\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08l1_pages\x18\x02 \x01(\r\x12\x10\n\x08l2_pages\x18\x03 \x01(\r\x12\x14\n\x0cprefix_score\x18\x04 \x01(\x01\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x0c\n\x04load\x18\x07 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x08 \x01(\x01\x12\x10\n\x08\x65ligible\x18\t \x01(\x08\x12\x0f\n\x07why_not\x18\n \x01(\t\"\xe3\x01\n\rRouteResponse\x12\x10\n\x08route_id\x18\x01 \x01(\t\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08l1_pages\x18\x04 \x01(\r\x12\x10\n\x08l2_pages\x18\x05 \x01(\r\x12\x11\n\tnum_pages\x18\x06 \x01(\r\x12\x11\n\tpage_size\x18\x07 \x01(\r\x12\x0e\n\x06policy\x18\x08 \x01(\t\x12\x0e\n\x06reason\x18\t \x01(\t\x12%\n\x06scores\x18\n \x03(\x0b\x32\x15.hicache.v1.NodeScore\x12\x10\n\x08replayed\x18\x0b \x01(\x08\"8\n\x0f\x43ompleteRequest\x12\x10\n\x08route_id\x18\x01 \x01(\t\x12\x13\n\x0bstatus_code\x18\x02 \x01(\x05\"=\n\x10\x43ompleteResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0c\n\x04node\x18\x02 \x01(\t\x12\x0c\n\x04late\x18\x03 \x01(\x08\"\x12\n\x10ListNodesRequest\"\x8f\x02\n\x08NodeInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x11\n\tserver_id\x18\x04 \x01(\t\x12\x16\n\x0e\x65vent_sequence\x18\x05 \x01(\x04\x12\x0f\n\x07resyncs\x18\x06 \x01(\x04\x12\x10\n\x08l1_pages\x18\x07 \x01(\x04\x12\x10\n\x08l2_pages\x18\x08 \x01(\x04\x12\x11\n\tin_flight\x18\t \x01(\r\x12\x13\n\x0bqueue_depth\x18\n \x01(\r\x12\x0f\n\x07\x62reaker\x18\x0b \x01(\t\x12\x0e\n\x06routed\x18\x0c \x01(\x04\x12\x14\n\x0cnamespace_ok\x18\r \x01(\x08\x12\x12\n\nlast_error\x18\x0e \x01(\t\"Z\n\x11ListNodesResponse\x12#\n\x05nodes\x18\x01 \x03(\x0b\x32\x14.hicache.v1.NodeInfo\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\t2\xd7\x01\n\x06Router\x12<\n\x05Route\x12\x18.hicache.v1.RouteRequest\x1a\x19.hicache.v1.RouteResponse\x12\x45\n\x08\x43omplete\x12\x1b.hicache.v1.CompleteRequest\x1a\x1c.hicache.v1.CompleteResponse\x12H\n\tListNodes\x12\x1c.hicache.v1.ListNodesRequest\x1a\x1d.hicache.v1.ListNodesResponseB8Z6github.com/hicache/hicache/gen/go/hicache/v1;hicachev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z6github.com/hicache/hicache/gen/go/hicache/v1;hicachev1'
   _globals['_ROUTEREQUEST']._serialized_start=66
-  _globals['_ROUTEREQUEST']._serialized_end=213
-  _globals['_NODESCORE']._serialized_start=216
-  _globals['_NODESCORE']._serialized_end=402
-  _globals['_ROUTERESPONSE']._serialized_start=405
-  _globals['_ROUTERESPONSE']._serialized_end=614
-  _globals['_COMPLETEREQUEST']._serialized_start=616
-  _globals['_COMPLETEREQUEST']._serialized_end=672
-  _globals['_COMPLETERESPONSE']._serialized_start=674
-  _globals['_COMPLETERESPONSE']._serialized_end=735
-  _globals['_LISTNODESREQUEST']._serialized_start=737
-  _globals['_LISTNODESREQUEST']._serialized_end=755
-  _globals['_NODEINFO']._serialized_start=758
-  _globals['_NODEINFO']._serialized_end=1029
-  _globals['_LISTNODESRESPONSE']._serialized_start=1031
-  _globals['_LISTNODESRESPONSE']._serialized_end=1121
-  _globals['_ROUTER']._serialized_start=1124
-  _globals['_ROUTER']._serialized_end=1339
+  _globals['_ROUTEREQUEST']._serialized_end=233
+  _globals['_NODESCORE']._serialized_start=236
+  _globals['_NODESCORE']._serialized_end=422
+  _globals['_ROUTERESPONSE']._serialized_start=425
+  _globals['_ROUTERESPONSE']._serialized_end=652
+  _globals['_COMPLETEREQUEST']._serialized_start=654
+  _globals['_COMPLETEREQUEST']._serialized_end=710
+  _globals['_COMPLETERESPONSE']._serialized_start=712
+  _globals['_COMPLETERESPONSE']._serialized_end=773
+  _globals['_LISTNODESREQUEST']._serialized_start=775
+  _globals['_LISTNODESREQUEST']._serialized_end=793
+  _globals['_NODEINFO']._serialized_start=796
+  _globals['_NODEINFO']._serialized_end=1067
+  _globals['_LISTNODESRESPONSE']._serialized_start=1069
+  _globals['_LISTNODESRESPONSE']._serialized_end=1159
+  _globals['_ROUTER']._serialized_start=1162
+  _globals['_ROUTER']._serialized_end=1377
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("namespace", "tokens", "token_ids", "policy", "exclude_nodes", "peek")
+    __slots__ = ("namespace", "tokens", "token_ids", "policy", "exclude_nodes", "peek", "request_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_NODES_FIELD_NUMBER: _ClassVar[int]
     PEEK_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: _hicache_pb2.NamespaceRef
     tokens: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     policy: str
     exclude_nodes: _containers.RepeatedScalarFieldContainer[str]
     peek: bool
-    def __init__(self, namespace: _Optional[_Union[_hicache_pb2.NamespaceRef, _Mapping]] = ..., tokens: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., exclude_nodes: _Optional[_Iterable[str]] = ..., peek: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, namespace: _Optional[_Union[_hicache_pb2.NamespaceRef, _Mapping]] = ..., tokens: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., policy: _Optional[str] = ..., exclude_nodes: _Optional[_Iterable[str]] = ..., peek: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class NodeScore(_message.Message):
     __slots__ = ("node", "l1_pages", "l2_pages", "prefix_score", "in_flight", "queue_depth", "load", "cost", "eligible", "why_not")
@@ -48,7 +50,7 @@ class NodeScore(_message.Message):
     def __init__(self, node: _Optional[str] = ..., l1_pages: _Optional[int] = ..., l2_pages: _Optional[int] = ..., prefix_score: _Optional[float] = ..., in_flight: _Optional[int] = ..., queue_depth: _Optional[int] = ..., load: _Optional[float] = ..., cost: _Optional[float] = ..., eligible: _Optional[bool] = ..., why_not: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("route_id", "node", "address", "l1_pages", "l2_pages", "num_pages", "page_size", "policy", "reason", "scores")
+    __slots__ = ("route_id", "node", "address", "l1_pages", "l2_pages", "num_pages", "page_size", "policy", "reason", "scores", "replayed")
     ROUTE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +61,7 @@ class RouteResponse(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
     route_id: str
     node: str
     address: str
@@ -69,7 +72,8 @@ class RouteResponse(_message.Message):
     policy: str
     reason: str
     scores: _containers.RepeatedCompositeFieldContainer[NodeScore]
-    def __init__(self, route_id: _Optional[str] = ..., node: _Optional[str] = ..., address: _Optional[str] = ..., l1_pages: _Optional[int] = ..., l2_pages: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[NodeScore, _Mapping]]] = ...) -> None: ...
+    replayed: bool
+    def __init__(self, route_id: _Optional[str] = ..., node: _Optional[str] = ..., address: _Optional[str] = ..., l1_pages: _Optional[int] = ..., l2_pages: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., scores: _Optional[_Iterable[_Union[NodeScore, _Mapping]]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
     __slots__ = ("route_id", "status_code")
