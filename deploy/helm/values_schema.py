@@ -73,6 +73,8 @@ def enum(values: Any) -> Schema:
 
 BOOL: Schema = {"type": "boolean"}
 ANY_OBJECT: Schema = {"type": "object"}
+# node name -> ZeroMQ endpoint of an engine's KV-event publisher (router.kv_events)
+ENDPOINTS: Schema = {"type": "object", "additionalProperties": {"type": "string", "pattern": "^(tcp|ipc)://.+$"}}
 ANY_LIST: Schema = {"type": "array"}
 PORT = integer(1, 65535)
 QUANTITY: Schema = {"type": ["string", "integer", "number"],
@@ -146,7 +148,8 @@ def router_config_schema() -> Schema:
         "breaker_failures": integer(1), "breaker_cooldown_s": number(positive=True),
         "breaker_max_cooldown_s": number(positive=True), "reconnect_max_s": number(positive=True),
         "event_queue": integer(0), "verify_keys": BOOL, "max_request_tokens": integer(1),
-        "shutdown_grace_s": number(positive=True)},
+        "shutdown_grace_s": number(positive=True),
+        "kv_events": ENDPOINTS, "kv_events_replay": ENDPOINTS, "kv_events_topic": string()},
         description="host, port, metrics_port, nodes, tokens and TLS paths are set by the chart")
 
 

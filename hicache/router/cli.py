@@ -11,6 +11,10 @@ With ``--index approximate`` the router reads no event stream and polls nothing:
 node caches from the requests it sent there, so the nodes can be any engine that serves the routed
 requests. The default, ``--index events``, follows each hicache node's event stream and knows.
 
+A node that is a vLLM or SGLang engine rather than a hicache node is followed through the engine's own KV
+events: ``--kv-events NAME=tcp://HOST:5557`` (its ZeroMQ publisher; ``--kv-events-replay NAME=tcp://HOST:5558``
+to fill gaps from the publisher's buffer). Its ``--node`` address is where clients send its requests.
+
 Node addresses are checked as ``hicache status`` checks its target (:mod:`hicache.address`): a malformed
 ``host:port``, a port outside 1-65535, an empty entry, a name or an address given twice exits with code 2
 and one line naming the flag (or ``router.nodes``, or the ``HICACHE_ROUTER__NODES`` variable).
@@ -58,6 +62,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter)
     p.add_argument("--node", action="append", metavar="NAME=HOST:PORT", default=None,
                    help="a node service (repeat for each node)")
+    p.add_argument("--kv-events", action="append", metavar="NAME=ENDPOINT", default=None,
+                   help="node NAME is a vLLM / SGLang engine: follow its ZeroMQ KV-event publisher (repeat per "
+                        "engine)")
+    p.add_argument("--kv-events-replay", action="append", metavar="NAME=ENDPOINT", default=None,
+                   help="the replay endpoint of NAME's publisher: batches missed in a gap are asked for there")
     p.add_argument("--config", metavar="FILE", help="YAML config (model, layout and router sections)")
     g = p.add_argument_group("overrides (win over the file and the environment)")
     g.add_argument("--host")
@@ -91,7 +100,18 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             out.setdefault(section, {})[name] = v
     if args.node:
         out.setdefault("router", {})["nodes"] = list(args.node)
+    for dest in ("kv_events", "kv_events_replay"):
+        pairs = getattr(args, dest, None)
+        if pairs:
+            out.setdefault("router", {})[dest] = dict(_pair(p, "--" + dest.replace("_", "-")) for p in pairs)
     return out
+
+
+def _pair(text: str, flag: str) -> tuple[str, str]:
+    name, sep, endpoint = text.partition("=")
+    if not sep or not name:
+        raise ConfigError(f"{flag}: {text!r}: expected NAME=ENDPOINT (tcp://HOST:PORT)", flag)
+    return name.strip(), endpoint.strip()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +123,11 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as e:
             print(f"hicache route: {e}", file=sys.stderr)
             return 2
-    overrides = overrides_from_args(args)
+    try:
+        overrides = overrides_from_args(args)
+    except ConfigError as e:
+        print(f"hicache route: {e}", file=sys.stderr)
+        return 2
     config, rconfig = load_router_config(args.config, overrides=overrides)
     if not rconfig.nodes:
         print("hicache route: no nodes: pass --node NAME=host:port (or router.nodes in --config)", file=sys.stderr)

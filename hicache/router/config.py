@@ -11,6 +11,7 @@ tenant, TP shard) and ``layout`` sections; a node config file can be reused as i
       nodes: ["gpu0=10.0.0.1:50051", "gpu1=10.0.0.2:50051"]   # or a mapping {gpu0: "10.0.0.1:50051"}
       policy: cache_aware
       index: events          # or approximate: predict each node's cache from the routes (no event streams)
+      kv_events: {gpu2: "tcp://10.0.0.3:5557"}   # gpu2 is a vLLM / SGLang engine: follow its own KV events
 
 Precedence: the YAML file < environment ``HICACHE_<SECTION>__<FIELD>`` (``HICACHE_ROUTER__POLICY=...``)
 < explicit overrides (CLI flags). Every bad value raises :class:`hicache.config.ConfigError`.
@@ -44,6 +45,7 @@ from hicache.router.scoring import ScoringParams, policy_names
 
 INDEX_MODES = ("events", "approximate")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.*-]+):[0-9]{1,5}|ipc://.+)$")
 
 
 class NodeSpec(NamedTuple):
@@ -116,6 +118,11 @@ class RouterConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     shutdown_grace_s: float = 5.0
+    # engines followed through their own KV events (vLLM / SGLang ZeroMQ publishers) instead of a hicache
+    # node's WatchEvents: node name -> publisher endpoint, and optionally -> its replay endpoint
+    kv_events: dict[str, str] = field(default_factory=dict)
+    kv_events_replay: dict[str, str] = field(default_factory=dict)
+    kv_events_topic: str = ""  # subscribe to this topic prefix ("" : every topic)
 
     def __post_init__(self) -> None:
         self.nodes = [n if isinstance(n, NodeSpec) else parse_node(str(n)) for n in self.nodes]
@@ -151,12 +158,34 @@ class RouterConfig:
             why = token_problem(getattr(self, f))
             if why is not None:
                 raise ConfigError(f"router.{f}: {why}", f"router.{f}")
+        self._check_kv_events()
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("router.tls_key: set together with router.tls_cert")
         try:
             _ = self.scoring
         except ValueError as e:
             raise ConfigError(f"router.{e}") from None
+
+    def _check_kv_events(self) -> None:
+        names = {n.name for n in self.nodes}
+        for f in ("kv_events", "kv_events_replay"):
+            value = getattr(self, f)
+            if not isinstance(value, dict):
+                raise ConfigError(f"router.{f}: must be a mapping of node name -> ZeroMQ endpoint, got {value!r}")
+            for name, endpoint in value.items():
+                if name not in names:
+                    raise ConfigError(f"router.{f}: {name!r} is not a node (router.nodes: {sorted(names)})",
+                                      f"router.{f}")
+                if not isinstance(endpoint, str) or not _ENDPOINT.match(endpoint):
+                    raise ConfigError(f"router.{f}: {name}: {endpoint!r} is not a ZeroMQ endpoint "
+                                      "(tcp://HOST:PORT or ipc://PATH)", f"router.{f}")
+        extra = sorted(set(self.kv_events_replay) - set(self.kv_events))
+        if extra:
+            raise ConfigError(f"router.kv_events_replay: {extra} have no router.kv_events endpoint",
+                              "router.kv_events_replay")
+        if self.kv_events and self.index != "events":
+            raise ConfigError("router.kv_events: the approximate index predicts from routes and follows no events; "
+                              "use router.index: events", "router.kv_events")
 
     @property
     def scoring(self) -> ScoringParams:

@@ -21,7 +21,7 @@ import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 
@@ -35,6 +35,9 @@ from hicache.router.index import NO_MATCH, Applied, KVIndex
 from hicache.router.load import InflightTracker, QueueDepth
 from hicache.router.scoring import Candidate, RoutingPolicy, Score, create_policy, policy_names
 from hicache.service.validation import MAX_ID_BYTES, shown
+
+if TYPE_CHECKING:
+    from hicache.router.engine_events import EngineBlocks
 
 log = logging.getLogger("hicache.router")
 LISTED = 8  # items an error message lists, at most: gRPC sends it in a trailer that clients cap (8 KiB)
@@ -147,6 +150,13 @@ class Router:
             self.add_node(spec)
         self.policies: dict[str, RoutingPolicy] = {n: create_policy(n, rconfig.scoring) for n in policy_names()}
         self._tenants: dict[str, Namespace] = {}
+        # engines followed through their KV events (router.kv_events) instead of a node's WatchEvents
+        self.engines: dict[str, EngineBlocks] = {}
+        if rconfig.kv_events:
+            from hicache.router.engine_events import EngineBlocks  # msgpack: only when engines are followed
+
+            self.engines = {name: EngineBlocks(self.index, name, self.ns.digest, self.page_size)
+                            for name in rconfig.kv_events}
 
     def add_node(self, spec: NodeSpec) -> NodeState:
         """Start tracking a node (disconnected, breaker closed); ``ValueError`` when the name is taken."""

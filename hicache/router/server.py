@@ -30,6 +30,7 @@ from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
 from hicache.router.breaker import status_from_number
 from hicache.router.config import RouterConfig
 from hicache.router.core import NoNodeError, RequestIdConflict, RouteDecision, Router
+from hicache.router.engine_feed import EngineFeed
 from hicache.router.feed import NodeFeed
 from hicache.service.auth import BearerTokenInterceptor, server_credentials
 from hicache.service.decode import DecodeGuard
@@ -89,6 +90,22 @@ class RouterMetrics:
         if router.approx is not None:  # every reason's series from the start, so the first increase() counts
             for reason in APPROX_REASONS:
                 self.approx_forgotten.labels(reason)
+        self.engine_batches = Counter("hicache_router_engine_batches", "Engines followed through their KV events "
+                                      "(router.kv_events): event batches applied, by node", ["node"], registry=r)
+        self.engine_refused = Counter("hicache_router_engine_blocks_refused", "Engine KV events: blocks not "
+                                      "indexed, by node and why (block_size, lora, orphan: parent unknown, "
+                                      "malformed)", ["node", "reason"], registry=r)
+        self.engine_gaps = Counter("hicache_router_engine_gaps", "Engine KV events: sequence gaps, by node and "
+                                   "outcome (replayed, lost)", ["node", "outcome"], registry=r)
+        self.engine_restarts = Counter("hicache_router_engine_restarts", "Engine KV events: sequence went back "
+                                       "(an engine restart), its blocks forgotten, by node", ["node"], registry=r)
+        for name, eb in router.engines.items():
+            self.engine_batches.labels(name)
+            self.engine_restarts.labels(name)
+            for reason in eb.refused:
+                self.engine_refused.labels(name, reason)
+            for outcome in eb.gaps:
+                self.engine_gaps.labels(name, outcome)
         for name in router.nodes:
             self._per_node(router, name)
 
@@ -145,6 +162,13 @@ class RouterMetrics:
             for name in router.nodes:
                 self._add(f"resyncs/{name}", max(0, router.index.feed(name).snapshots - 1),
                           self.resyncs.labels(name))
+            for name, eb in router.engines.items():
+                self._add(f"engine/{name}", eb.batches, self.engine_batches.labels(name))
+                self._add(f"engine-restarts/{name}", eb.restarts, self.engine_restarts.labels(name))
+                for reason, n in eb.refused.items():
+                    self._add(f"engine-refused/{name}/{reason}", n, self.engine_refused.labels(name, reason))
+                for outcome, n in eb.gaps.items():
+                    self._add(f"engine-gaps/{name}/{outcome}", n, self.engine_gaps.labels(name, outcome))
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -242,7 +266,12 @@ class RouterServer:
         self.registry = CollectorRegistry()
         self.metrics = RouterMetrics(self.router, self.registry)
         # the approximate index opens no stream and polls nothing: the nodes need not be hicache nodes
-        self.feeds = [NodeFeed(self.router, spec) for spec in rconfig.nodes] if self.router.approx is None else []
+        self.feeds: list[NodeFeed | EngineFeed] = []
+        if self.router.approx is None:
+            for spec in rconfig.nodes:
+                endpoint = rconfig.kv_events.get(spec.name)
+                self.feeds.append(NodeFeed(self.router, spec) if endpoint is None else EngineFeed(
+                    self.router, spec, endpoint, rconfig.kv_events_replay.get(spec.name, ""), rconfig.kv_events_topic))
         self.port = 0
         self.metrics_port = 0
         self._metrics_http: MetricsServer | None = None

@@ -331,8 +331,11 @@ def number_st(prop: dict[str, Any]) -> st.SearchStrategy[Any]:
 
 router_config_st = optional(**{
     k: (st.sampled_from(p["enum"]) if "enum" in p else st.booleans() if p["type"] == "boolean" else number_st(p))
-    for k, p in router_cfg_props.items()} | {"breaker_cooldown_s": st.sampled_from([0.5, 5.0, 30.0]),
-                                             "breaker_max_cooldown_s": st.sampled_from([1.0, 60.0, 300.0])})
+    for k, p in router_cfg_props.items() if k not in ("kv_events", "kv_events_replay", "kv_events_topic")}
+    | {"breaker_cooldown_s": st.sampled_from([0.5, 5.0, 30.0]),
+       "breaker_max_cooldown_s": st.sampled_from([1.0, 60.0, 300.0]),
+       "kv_events_topic": st.sampled_from(["", "kv", "kv-events"])})
+endpoint_st = st.builds("tcp://{}:{}".format, st.sampled_from(["10.0.0.1", "engine-0.svc", "*"]), st.integers(1, 65535))
 NODES_PATTERN = SCHEMA["properties"]["router"]["properties"]["nodes"]["items"]["pattern"]
 node_name_st = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9_.-]{0,12}\Z")
 
@@ -527,6 +530,18 @@ def cases(draw: st.DrawFn) -> Case:
         elif draw(st.integers(0, 3)) == 0:  # anything the schema lets through
             any_node = st.from_regex(NODES_PATTERN, fullmatch=True).filter(ipv6_ok)
             router["nodes"] = draw(st.lists(any_node, min_size=1, max_size=3))
+        if router.get("nodes") and router["config"].get("index", "events") == "events" and draw(st.booleans()):
+            from hicache.router.config import parse_node
+
+            try:
+                names = sorted({parse_node(n).name for n in router["nodes"]})  # some nodes are engines
+            except ValueError:  # nodes the router refuses (a broken rule of its own): no engines then
+                names = []
+            if names:
+                engines = draw(st.lists(st.sampled_from(names), min_size=1, unique=True))
+                router["config"]["kv_events"] = {n: draw(endpoint_st) for n in engines}
+                router["config"]["kv_events_replay"] = {n: draw(endpoint_st) for n in engines
+                                                        if draw(st.booleans())}
         if draw(st.booleans()):
             router["nodeSelector"] = draw(labels_st)
             router["tolerations"] = draw(st.lists(toleration_st, max_size=2))

@@ -306,7 +306,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     """A node (L3 in memory) and a router under a short RAG replay, scraped every second by Prometheus,
     which also evaluates the chart's rules (HicacheLowHitRate set to 0.999, so it must be pending). A second
     router over the same node, with the approximate index (``router.index: approximate``), gives that
-    index's series."""
+    index's series; a third follows an engine's ZeroMQ KV events (``router.kv_events``), published here."""
     import grpc
 
     from hicache.bench.replay import replay
@@ -318,7 +318,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
 
     tmp = tmp_path_factory.mktemp("prom")
     node_metrics, router_metrics, prom_port = free_port(), free_port(), free_port()
-    approx_metrics = free_port()
+    approx_metrics, engine_metrics = free_port(), free_port()
+    engine_events = EnginePublisher(NODE_CFG["layout"]["page_size"])
     (tmp / "node.yaml").write_text(yaml.safe_dump({**NODE_CFG, "serve": {**NODE_CFG["serve"],
                                                                           "metrics_port": node_metrics}}))
     (tmp / "approx.yaml").write_text(yaml.safe_dump({**NODE_CFG, "router": {"index": "approximate"}}))
@@ -327,7 +328,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                                                                "matchLatencyP99Seconds": 5}}})
     write_rules(tmp / "rules.yaml", rules)
     targets = [("node", node_metrics, "node-0"), ("router", router_metrics, "router-0"),
-               ("router", approx_metrics, "router-1")]
+               ("router", approx_metrics, "router-1"), ("router", engine_metrics, "router-2")]
     (tmp / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(tmp / "rules.yaml")],
@@ -344,6 +345,11 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         approx, _ = start_cli(["route", "--config", str(tmp / "approx.yaml"), "--port", "0", "--metrics-port",
                                str(approx_metrics), "--node", f"n0=127.0.0.1:{port}"], ROUTE_READY)
         procs.append(approx)
+        engine, _ = start_cli(["route", "--config", str(tmp / "node.yaml"), "--port", "0", "--metrics-port",
+                               str(engine_metrics), "--node", "e0=127.0.0.1:9", "--kv-events",
+                               f"e0=tcp://127.0.0.1:{engine_events.port}"], ROUTE_READY)
+        procs.append(engine)
+        engine_events.wait()
         with grpc.insecure_channel(f"127.0.0.1:{rport}") as ch:
             stub = rpb_grpc.RouterStub(ch)
             end = time.monotonic() + 20
@@ -384,6 +390,31 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         yield Live(prom, f"127.0.0.1:{port}", rules, prom.wait("a scrape of each after the last request", final))
     finally:
         stop(procs)
+        engine_events.close()
+
+
+class EnginePublisher:
+    """An engine's KV-event publisher (ZeroMQ, the engines' wire format) that sends one batch of stored
+    blocks to the first subscriber."""
+
+    def __init__(self, page_size: int) -> None:
+        import msgpack
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        toks = list(range(1, 2 * page_size + 1))
+        self.payload = msgpack.packb([time.time(), [["BlockStored", [b"h1", b"h2"], None, toks, page_size, None,
+                                                     "GPU"]]], use_bin_type=True)
+
+    def wait(self) -> None:
+        assert self.pub.poll(20_000), "the router did not subscribe to the engine's events"
+        self.pub.recv()
+        self.pub.send_multipart([b"", (0).to_bytes(8, "big"), self.payload])
+
+    def close(self) -> None:
+        self.ctx.destroy(0)
 
 
 def panel_query(expr: str) -> str:

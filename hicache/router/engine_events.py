@@ -1,0 +1,211 @@
+"""KV events of serving engines (vLLM, SGLang) as the router's index updates.
+
+vLLM (``--kv-events-config``) and SGLang publish what their prefix caches store and evict on a ZeroMQ
+PUB socket: each message is ``[topic, sequence (8 bytes, big-endian), payload]``, the payload a msgpack
+array ``[ts, events, data_parallel_rank?]`` and each event an array led by its type name:
+
+* ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id?, medium?, ...]``:
+  consecutive blocks of ``block_size`` tokens, the first one following ``parent_block_hash`` (None: the
+  first block of a sequence);
+* ``["BlockRemoved", block_hashes, medium?]``;
+* ``["AllBlocksCleared"]``.
+
+The engine's block hashes are its own (a hash of its choosing, with its salts), so the router recomputes
+each stored block's page key from the parent block's key and the block's tokens, exactly as the nodes key
+pages (:mod:`hicache.keys`), and keeps the engine hash -> page key map of every block it holds. A request's
+keys then match an engine's blocks like a hicache node's pages: the cached prefix is the run of the
+request's keys the engine holds. ``medium`` names the tier: ``GPU`` (or none) is L1, any other (``CPU``, a
+disk or offloading connector) L2.
+
+Refused, and counted by reason (:attr:`EngineBlocks.refused`): blocks whose size is not the router's
+``layout.page_size`` (``block_size``), blocks under a LoRA adapter (``lora``: the router keys the base
+model's pages), blocks whose parent the router does not know (``orphan``: stored before the router
+subscribed, or lost in a gap), and events it cannot read (``malformed``). Newer fields after the known ones
+are ignored. Routing only ever *prefers* an engine on this information; a wrong guess costs a recompute,
+never a wrong result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import msgpack
+
+from hicache.keys import page_keys_from_bytes
+from hicache.router.index import L1, L2, KVIndex
+
+REFUSALS = ("block_size", "lora", "orphan", "malformed")
+
+
+class EngineEventError(ValueError):
+    """A payload that is not a KV event batch."""
+
+
+class Stored(NamedTuple):
+    hashes: list[Hashable]
+    parent: Hashable | None
+    tokens: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class Removed(NamedTuple):
+    hashes: list[Hashable]
+    medium: str | None
+
+
+class Cleared(NamedTuple):
+    pass
+
+
+EngineEvent = Stored | Removed | Cleared
+
+
+class Batch(NamedTuple):
+    ts: float
+    events: list[EngineEvent | None]  # None: an event of a kind this router does not know
+    dp_rank: int | None
+
+
+def _hash(v: Any) -> Hashable:
+    if isinstance(v, bytes | int | str):
+        return v
+    if isinstance(v, list):  # a tuple-like hash, as some versions send: hashable once frozen
+        return tuple(_hash(x) for x in v)
+    raise EngineEventError(f"block hash of type {type(v).__name__}")
+
+
+def _medium(v: Any) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def _event(e: Any) -> EngineEvent | None:
+    if not isinstance(e, list) or not e or not isinstance(e[0], str):
+        raise EngineEventError("an event is not an array led by its type name")
+    kind, f = e[0], e[1:]
+    if kind == "BlockStored":
+        if len(f) < 4 or not isinstance(f[0], list) or not isinstance(f[2], list) or not isinstance(f[3], int):
+            raise EngineEventError("BlockStored: expected [hashes, parent, token_ids, block_size, ...]")
+        if not all(isinstance(t, int) and 0 <= t < 1 << 32 for t in f[2]):
+            raise EngineEventError("BlockStored: token ids must be integers in [0, 2^32)")
+        lora = f[4] if len(f) > 4 and isinstance(f[4], int) else None
+        return Stored([_hash(h) for h in f[0]], None if f[1] is None else _hash(f[1]), f[2], f[3], lora,
+                      _medium(f[5]) if len(f) > 5 else None)
+    if kind == "BlockRemoved":
+        if not f or not isinstance(f[0], list):
+            raise EngineEventError("BlockRemoved: expected [hashes, ...]")
+        return Removed([_hash(h) for h in f[0]], _medium(f[1]) if len(f) > 1 else None)
+    if kind == "AllBlocksCleared":
+        return Cleared()
+    return None
+
+
+def decode_batch(payload: bytes) -> Batch:
+    """One published payload; :class:`EngineEventError` if it is not a KV event batch."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several types for bad input
+        raise EngineEventError(f"not msgpack: {type(e).__name__}") from None
+    if not isinstance(obj, list) or len(obj) < 2 or not isinstance(obj[0], int | float) or not isinstance(obj[1], list):
+        raise EngineEventError("expected a batch [ts, events, ...]")
+    rank = obj[2] if len(obj) > 2 and isinstance(obj[2], int) else None
+    return Batch(float(obj[0]), [_event(e) for e in obj[1]], rank)
+
+
+@dataclass
+class EngineBlocks:
+    """One engine's blocks as the router knows them, written through to the index under the node's name.
+
+    ``blocks``: engine hash -> (page key, tier mask). Two hashes may name one page (the same tokens under
+    two cache salts), so the index holds a key on a tier while any block holds it there (``_held``: per key,
+    how many blocks hold it on L1 and on L2). Single-threaded (the router's event loop)."""
+
+    index: KVIndex
+    node: str
+    ns_digest: bytes
+    page_size: int
+    blocks: dict[Hashable, tuple[bytes, int]] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFUSALS, 0))
+    batches: int = 0  # event batches applied
+    gaps: dict[str, int] = field(default_factory=lambda: {"replayed": 0, "lost": 0})  # sequence gaps, by outcome
+    restarts: int = 0  # the engine's sequence went back: a new engine run, its blocks forgotten
+    _held: dict[bytes, list[int]] = field(default_factory=dict)
+
+    def apply(self, batch: Batch) -> None:
+        self.batches += 1
+        for ev in batch.events:
+            if isinstance(ev, Stored):
+                self._stored(ev)
+            elif isinstance(ev, Removed):
+                self._removed(ev)
+            elif isinstance(ev, Cleared):
+                self.clear()
+
+    def clear(self) -> None:
+        """Forget every block (the engine cleared its cache, restarted, or events were lost)."""
+        self.index.drop(self.node)
+        self.blocks.clear()
+        self._held.clear()
+
+    @staticmethod
+    def _tier(medium: str | None) -> int:
+        return L1 if medium is None or medium.upper() == "GPU" else L2
+
+    def _count(self, key: bytes, mask: int, step: int) -> None:
+        """Add ``step`` holders of ``key`` on the tiers of ``mask`` and write the key's tiers to the index."""
+        held = self._held.setdefault(key, [0, 0])
+        if mask & L1:
+            held[0] += step
+        if mask & L2:
+            held[1] += step
+        now = (L1 if held[0] > 0 else 0) | (L2 if held[1] > 0 else 0)
+        if not now:
+            del self._held[key]
+        self.index.set_page(self.node, self.index.feed(self.node), key, now)
+
+    def _stored(self, ev: Stored) -> None:
+        n = len(ev.hashes)
+        if ev.block_size != self.page_size:
+            self.refused["block_size"] += n
+            return
+        if ev.lora_id is not None:
+            self.refused["lora"] += n
+            return
+        if len(ev.tokens) != n * ev.block_size:
+            self.refused["malformed"] += n
+            return
+        start: bytes | None = None
+        if ev.parent is not None:
+            known = self.blocks.get(ev.parent)
+            if known is None:
+                self.refused["orphan"] += n
+                return
+            start = known[0]
+        data = b"".join(int(t).to_bytes(4, "little") for t in ev.tokens)
+        keys = page_keys_from_bytes(self.ns_digest, data, self.page_size, start)
+        tier = self._tier(ev.medium)
+        for h, key in zip(ev.hashes, keys, strict=True):
+            old = self.blocks.get(h)
+            if old is not None and old[0] != key:  # the engine reused a hash for other content
+                self._count(old[0], old[1], -1)
+                old = None
+            new = tier & ~(old[1] if old is not None else 0)
+            if new:
+                self.blocks[h] = (key, tier | (old[1] if old is not None else 0))
+                self._count(key, new, 1)
+
+    def _removed(self, ev: Removed) -> None:
+        tier = self._tier(ev.medium)
+        for h in ev.hashes:
+            old = self.blocks.get(h)
+            if old is None or not old[1] & tier:
+                continue
+            key, mask = old[0], old[1] & ~tier
+            if mask:
+                self.blocks[h] = (key, mask)
+            else:
+                del self.blocks[h]
+            self._count(key, tier, -1)

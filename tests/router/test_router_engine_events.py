@@ -1,0 +1,285 @@
+"""The router follows vLLM / SGLang engines through their own ZeroMQ KV events (``router.kv_events``).
+
+The publisher here speaks the engines' wire format (``[topic, sequence, msgpack batch]`` on PUB, the replay
+protocol on a ROUTER socket), so the router under test reads what an engine sends: block hashes of the
+engine's own, parents, token ids and media. The router must key the blocks as the nodes key pages (a
+request's keys then match the engine's cached prefix), keep tiers apart by medium, refuse what it cannot
+key, fill gaps from the replay buffer, count what stays lost, and forget an engine that restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client import generate_latest
+from router_helpers import PS, node_config, tokens
+
+from hicache.config import ConfigError
+from hicache.keys import page_keys
+from hicache.router import Router
+from hicache.router.client import AsyncRouterClient
+from hicache.router.config import NodeSpec, RouterConfig, load_router_config
+from hicache.router.engine_events import Cleared, EngineEventError, Removed, Stored, decode_batch
+from hicache.router.server import RouterServer
+
+
+def block_hash(parent: bytes | None, toks: np.ndarray) -> bytes:
+    """An engine's own block hash (not hicache's key): what vLLM's sha256 hashing looks like on the wire."""
+    return hashlib.sha256((parent or b"root") + toks.astype("<u4").tobytes()).digest()
+
+
+def stored(toks: np.ndarray, first: int = 0, parent: bytes | None = None, *, medium: str | None = "GPU",
+           lora: int | None = None, block_size: int = PS, hashes: list[Any] | None = None) -> tuple[list[Any], bytes]:
+    """A BlockStored event for pages [first, end) of ``toks`` and the last block's hash."""
+    hs, p = [], parent
+    for i in range(first, len(toks) // PS):
+        p = block_hash(p, toks[i * PS:(i + 1) * PS])
+        hs.append(p)
+    ev = ["BlockStored", hashes or hs, parent, [int(t) for t in toks[first * PS:]], block_size, lora, medium]
+    return ev, hs[-1]
+
+
+def chain(toks: np.ndarray) -> list[bytes]:
+    hs, p = [], None
+    for i in range(len(toks) // PS):
+        p = block_hash(p, toks[i * PS:(i + 1) * PS])
+        hs.append(p)
+    return hs
+
+
+def batch(*events: list[Any]) -> bytes:
+    return msgpack.packb([1.0, list(events)], use_bin_type=True)
+
+
+def new_router(*engines: str) -> Router:
+    rc = RouterConfig(nodes=[NodeSpec(n, f"127.0.0.1:{8000 + i}") for i, n in enumerate(engines)],
+                      kv_events={n: f"tcp://127.0.0.1:{5557 + i}" for i, n in enumerate(engines)})
+    return Router(node_config(), rc)
+
+
+def prefix(r: Router, toks: np.ndarray) -> dict[str, tuple[int, int]]:
+    d = r.route(toks.astype("<u4").tobytes(), peek=True)
+    return {n: (s.l1_pages, s.l2_pages) for n, s in d.scores.items()}
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+def test_batches_decode_as_the_engines_encode_them() -> None:
+    toks = tokens(1, 2)
+    ev, _ = stored(toks)
+    b = decode_batch(msgpack.packb([2.5, [ev, ["BlockRemoved", [7, 8], "CPU"], ["AllBlocksCleared"],
+                                          ["SomethingNewer", 1]], 3], use_bin_type=True))
+    assert b.ts == 2.5 and b.dp_rank == 3
+    st, rm, cl, unknown = b.events
+    assert isinstance(st, Stored) and st.tokens == [int(t) for t in toks] and st.block_size == PS
+    assert st.medium == "GPU" and st.lora_id is None and st.parent is None
+    assert rm == Removed([7, 8], "CPU") and cl == Cleared() and unknown is None
+    short = decode_batch(msgpack.packb([1, [["BlockStored", [1], None, [5] * PS, PS]]]))  # trailing fields omitted
+    assert short.events[0] == Stored([1], None, [5] * PS, PS, None, None) and short.dp_rank is None
+    for bad in (b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1, [["BlockStored", [1], None]]]),
+                msgpack.packb([1, [["BlockStored", [1], None, [-1] * PS, PS]]]), msgpack.packb([1, [[3]]])):
+        with pytest.raises(EngineEventError):
+            decode_batch(bad)
+
+
+# ---------------------------------------------------------------------------------------------- indexing
+def test_stored_blocks_are_keyed_as_the_nodes_key_pages() -> None:
+    r = new_router("e0", "e1")
+    toks = tokens(1, 6)
+    head, last = stored(toks[: 3 * PS])
+    r.engines["e0"].apply(decode_batch(batch(head)))
+    tail, _ = stored(toks, 3, last)  # the next blocks, continuing the engine's chain
+    r.engines["e0"].apply(decode_batch(batch(tail)))
+    assert set(r.index.feed("e0").pages) == set(page_keys(r.ns, toks))
+    assert prefix(r, toks) == {"e0": (6, 0), "e1": (0, 0)}
+    assert r.route(toks.astype("<u4").tobytes()).node == "e0"
+    other = tokens(2, 4)
+    assert prefix(r, other)["e0"] == (0, 0)
+
+
+def test_media_removals_and_clears() -> None:
+    r = new_router("e0")
+    eb = r.engines["e0"]
+    toks = tokens(3, 4)
+    hs = chain(toks)
+    eb.apply(decode_batch(batch(stored(toks)[0], stored(toks, medium="CPU")[0])))  # offloaded copies too
+    assert prefix(r, toks)["e0"] == (4, 0)
+    eb.apply(decode_batch(batch(["BlockRemoved", hs[2:], "GPU"])))  # evicted from the GPU, still on the CPU
+    assert prefix(r, toks)["e0"] == (2, 2)
+    eb.apply(decode_batch(batch(["BlockRemoved", hs[3:], "CPU"])))
+    assert prefix(r, toks)["e0"] == (2, 1)
+    eb.apply(decode_batch(batch(["BlockRemoved", [b"never stored"], None])))  # unknown: nothing happens
+    eb.apply(decode_batch(batch(["AllBlocksCleared"])))
+    assert prefix(r, toks)["e0"] == (0, 0) and not r.index.feed("e0").pages and not eb.blocks
+
+
+def test_two_engine_hashes_of_one_page_hold_it_until_both_go() -> None:
+    r = new_router("e0")
+    eb = r.engines["e0"]
+    toks = tokens(4, 2)
+    salted = [b"salt-a", b"salt-b"]
+    eb.apply(decode_batch(batch(stored(toks)[0], stored(toks, hashes=salted)[0])))
+    eb.apply(decode_batch(batch(["BlockRemoved", chain(toks), "GPU"])))
+    assert prefix(r, toks)["e0"] == (2, 0)  # the salted blocks still hold the same pages
+    eb.apply(decode_batch(batch(["BlockRemoved", salted, "GPU"])))
+    assert prefix(r, toks)["e0"] == (0, 0)
+
+
+def test_blocks_the_router_cannot_key_are_refused_and_counted() -> None:
+    r = new_router("e0")
+    eb = r.engines["e0"]
+    toks = tokens(5, 2)
+    eb.apply(decode_batch(batch(
+        stored(toks, lora=3)[0],  # under a LoRA adapter
+        ["BlockStored", [b"x"], None, [1] * (2 * PS), 2 * PS, None, "GPU"],  # another block size
+        stored(toks, 1, parent=b"never seen")[0],  # a parent the router never saw
+        ["BlockStored", [b"y", b"z"], None, [1] * PS, PS, None, "GPU"])))  # tokens for one block, two hashes
+    assert eb.refused == {"lora": 2, "block_size": 1, "orphan": 1, "malformed": 2}
+    assert not r.index.feed("e0").pages
+
+
+# ---------------------------------------------------------------------------------------------- over ZeroMQ
+class Publisher:
+    """An engine's KV-event publisher: XPUB (a PUB that sees subscriptions) and the replay ROUTER."""
+
+    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+        self.pub = ctx.socket(zmq.XPUB)
+        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.replay = ctx.socket(zmq.ROUTER)
+        self.replay_port = self.replay.bind_to_random_port("tcp://127.0.0.1")
+        self.buffer: list[tuple[int, bytes]] = []
+        self.seq = 0
+        self._task = asyncio.create_task(self._serve_replay())
+
+    async def subscribed(self) -> None:
+        msg = await asyncio.wait_for(self.pub.recv(), 10)
+        assert msg[:1] == b"\x01"
+
+    async def publish(self, payload: bytes, *, send: bool = True, keep: bool = True) -> int:
+        seq, self.seq = self.seq, self.seq + 1
+        if keep:
+            self.buffer.append((seq, payload))
+        if send:
+            await self.pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])
+        return seq
+
+    async def _serve_replay(self) -> None:
+        while True:
+            client, _, start = await self.replay.recv_multipart()
+            first = int.from_bytes(start, "big")
+            for seq, payload in self.buffer:
+                if seq >= first:
+                    await self.replay.send_multipart([client, b"", b"kv", seq.to_bytes(8, "big"), payload])
+            await self.replay.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        self._task.cancel()
+        self.pub.close(0)
+        self.replay.close(0)
+
+
+async def until(cond: Any, what: str, timeout_s: float = 10.0) -> None:
+    end = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        if asyncio.get_running_loop().time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    sel = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    m = re.search(rf"^{name}\{{{sel}\}} (\S+)$", text, re.M)
+    assert m is not None, f"{name}{{{sel}}} missing"
+    return float(m[1])
+
+
+def test_a_router_follows_engines_over_zeromq() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        e0, e1 = Publisher(ctx), Publisher(ctx)
+        rc = RouterConfig(port=0, nodes=[NodeSpec("e0", "127.0.0.1:8000"), NodeSpec("e1", "127.0.0.1:8001")],
+                          kv_events={"e0": f"tcp://127.0.0.1:{e0.port}", "e1": f"tcp://127.0.0.1:{e1.port}"},
+                          kv_events_replay={"e0": f"tcp://127.0.0.1:{e0.replay_port}"})
+        router = RouterServer(node_config(), rc)
+        await router.start()
+        r = router.router
+        try:
+            # blocks e0 stored before the router subscribed come back through the replay buffer
+            a, b = tokens(10, 4), tokens(11, 3)
+            await e0.publish(batch(stored(a)[0]), send=False)
+            await e0.subscribed()
+            await e1.subscribed()
+            await e0.publish(batch(stored(b)[0]))
+            await until(lambda: prefix(r, a)["e0"] == (4, 0) and prefix(r, b)["e0"] == (3, 0), "e0's blocks")
+            async with AsyncRouterClient(f"127.0.0.1:{router.port}") as client:
+                d = await client.route(a)
+                assert d.node == "e0" and d.l1_pages == 4
+                await client.complete(d.route_id)
+
+            # a batch lost on the wire is replayed from the buffer before the next one applies
+            c = tokens(12, 2)
+            await e0.publish(batch(["BlockRemoved", chain(b), "GPU"]), send=False)
+            await e0.publish(batch(stored(c)[0]))
+            await until(lambda: prefix(r, c)["e0"] == (2, 0), "the batch after the gap")
+            assert prefix(r, b)["e0"] == (0, 0)
+
+            # e1 has no replay endpoint: its gap stays, counted, and what was known is kept
+            await e1.publish(batch(stored(a)[0]))
+            await until(lambda: prefix(r, a)["e1"] == (4, 0), "e1's blocks")
+            await e1.publish(batch(["AllBlocksCleared"]), send=False)
+            await e1.publish(batch(stored(c)[0]))
+            await until(lambda: prefix(r, c)["e1"] == (2, 0), "e1 after its gap")
+            assert prefix(r, a)["e1"] == (4, 0)
+
+            # e1 restarts: its sequence starts over and what the router knew of it is forgotten
+            e1.seq, e1.buffer = 0, []
+            await e1.publish(batch(stored(b)[0]))
+            await until(lambda: prefix(r, b)["e1"] == (3, 0), "e1's new run")
+            assert prefix(r, a)["e1"] == (0, 0) and prefix(r, c)["e1"] == (0, 0)
+
+            views = {v.name: v for v in r.views()}
+            assert views["e0"].connected and views["e1"].connected and views["e1"].event_sequence == 0
+            text = generate_latest(router.registry).decode()
+            # the first batch received caught up from 0 through the replay as well; that is no gap
+            assert metric(text, "hicache_router_engine_gaps_total", node="e0", outcome="replayed") == 1.0
+            assert metric(text, "hicache_router_engine_gaps_total", node="e1", outcome="lost") == 1.0
+            assert metric(text, "hicache_router_engine_restarts_total", node="e1") == 1.0
+            assert metric(text, "hicache_router_engine_batches_total", node="e0") == 4.0
+            assert metric(text, "hicache_router_engine_blocks_refused_total", node="e0", reason="orphan") == 0.0
+            assert metric(text, "hicache_router_node_connected", node="e0") == 1.0
+        finally:
+            await router.stop(0.1)
+            e0.close()
+            e1.close()
+            ctx.destroy(0)
+
+    asyncio.run(main())
+
+
+def test_bad_engine_settings_are_refused() -> None:
+    nodes = ["e0=127.0.0.1:8000"]
+    cases = [({"kv_events": {"nope": "tcp://127.0.0.1:5557"}}, "'nope' is not a node"),
+             ({"kv_events": {"e0": "http://127.0.0.1:5557"}}, "is not a ZeroMQ endpoint"),
+             ({"kv_events": {"e0": "tcp://127.0.0.1:5557"}, "kv_events_replay": {"e0": "tcp://h:1", "x": "tcp://h:2"}},
+              "not a node"),
+             ({"kv_events": {"e0": "tcp://127.0.0.1:5557"}, "index": "approximate"}, "use router.index: events")]
+    for extra, msg in cases:
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            load_router_config(None, env={}, overrides={"router": {"nodes": nodes, **extra}})
+    rc = load_router_config(None, env={"HICACHE_ROUTER__KV_EVENTS": "{e0: 'tcp://10.0.0.1:5557'}"},
+                            overrides={"router": {"nodes": nodes}})[1]
+    assert rc.kv_events == {"e0": "tcp://10.0.0.1:5557"}
+
+
+def test_the_cli_names_a_bad_kv_events_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from hicache.cli import main
+
+    assert main(["route", "--node", "e0=127.0.0.1:8000", "--kv-events", "tcp://127.0.0.1:5557"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hicache route: --kv-events:") and "NAME=ENDPOINT" in err[0]
