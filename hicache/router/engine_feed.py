@@ -100,7 +100,7 @@ class EngineFeed:
             for s, payload in got:
                 self._apply(s, payload)
             if last is not None:
-                filled = len(got) == seq - first
+                filled = len(got) == seq - first  # a run ending at seq - 1: every missing batch came
                 self.blocks.gaps["replayed" if filled else "lost"] += 1
                 if not filled:
                     log.warning("engine %s: KV events %d..%d lost (replay gave %d)", name, first, seq - 1, len(got))
@@ -120,8 +120,9 @@ class EngineFeed:
         self.router.index.feed(self.spec.name).sequence = seq
 
     async def replay(self, first: int, last: int) -> list[tuple[int, bytes]]:
-        """The batches ``first..last`` the publisher still buffers, in order and without a hole: it sends
-        everything from ``first`` on, then an end marker; a batch missing from the run ends it."""
+        """The batches of ``first..last`` the publisher still buffers: a run without a hole, from the
+        oldest it holds (later than ``first`` once its buffer has moved on). It sends everything from
+        ``first`` on, then an end marker; a batch missing from the run ends it."""
         zmq = self._zmq
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -139,10 +140,10 @@ class EngineFeed:
                 s = int.from_bytes(frames[-2], "big")
                 if s < want:
                     continue
-                if s != want or s > last:
+                if s > last or (out and s != want):
                     break
                 out.append((s, frames[-1]))
-                want += 1
+                want = s + 1
         finally:
             sock.close(linger=0)
         return out

@@ -283,3 +283,31 @@ def test_the_cli_names_a_bad_kv_events_flag(capsys: pytest.CaptureFixture[str]) 
     assert main(["route", "--node", "e0=127.0.0.1:8000", "--kv-events", "tcp://127.0.0.1:5557"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hicache route: --kv-events:") and "NAME=ENDPOINT" in err[0]
+
+
+def test_a_late_router_catches_up_from_the_oldest_batch_still_buffered() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        e0 = Publisher(ctx)
+        rc = RouterConfig(port=0, nodes=[NodeSpec("e0", "127.0.0.1:8000")],
+                          kv_events={"e0": f"tcp://127.0.0.1:{e0.port}"},
+                          kv_events_replay={"e0": f"tcp://127.0.0.1:{e0.replay_port}"})
+        router = RouterServer(node_config(), rc)
+        await router.start()
+        r = router.router
+        try:
+            a, b, c = tokens(20, 2), tokens(21, 3), tokens(22, 2)
+            await e0.publish(batch(stored(a)[0]), send=False, keep=False)  # gone from the publisher's buffer
+            await e0.publish(batch(stored(b)[0]), send=False)  # still buffered
+            await e0.subscribed()
+            await e0.publish(batch(stored(c)[0]))
+            await until(lambda: prefix(r, c)["e0"] == (2, 0), "the batch received")
+            assert prefix(r, b)["e0"] == (3, 0) and prefix(r, a)["e0"] == (0, 0)
+            eb = r.engines["e0"]
+            assert eb.batches == 2 and eb.gaps == {"replayed": 0, "lost": 0}
+        finally:
+            await router.stop(0.1)
+            e0.close()
+            ctx.destroy(0)
+
+    asyncio.run(main())
