@@ -4,11 +4,8 @@ the page set stays prefix-closed and within capacity."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -16,21 +13,10 @@ from hypothesis import strategies as st
 
 from hicache.bench.optimal import belady, infinite, page_trace
 from hicache.bench.workloads import TraceRequest, WorkloadSpec, generate
+from scriptload import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "online_bounds.py"
 PAGE = 2
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("online_bounds_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ob = _load()
+ob = load_script("benchmarks/online_bounds.py", "online_bounds_bench")
 
 
 @st.composite

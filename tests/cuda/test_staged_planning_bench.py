@@ -2,22 +2,15 @@
 planning time come out for each, as ratios to the page-first plan; mirrored slots never make more
 copies than lc-major ones, and about as few chunks even when the pages are scattered."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "staged_planning.py"
+from scriptload import load_script
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("staged_planning_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/staged_planning.py", "staged_planning_bench")
 
 
 def test_small_run_reports_every_staging(tmp_path: Path) -> None:

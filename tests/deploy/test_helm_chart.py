@@ -169,12 +169,9 @@ def test_schema_config_properties_match_hicache_config() -> None:
 
 def test_committed_schema_is_the_generated_one() -> None:
     """values.schema.json is written by deploy/helm/values_schema.py from hicache's definitions."""
-    import importlib.util
+    from scriptload import load_script
 
-    spec = importlib.util.spec_from_file_location("values_schema", CHART.parent / "values_schema.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("deploy/helm/values_schema.py", "values_schema")
     assert (CHART / "values.schema.json").read_text() == mod.render(), "run python deploy/helm/values_schema.py"
 
 

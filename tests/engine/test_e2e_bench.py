@@ -1,26 +1,20 @@
 """The end-to-end benchmark's smoke mode (tiny model on the CPU) runs every mode, Redis included, and
 reports what the cache did: hits on the shared prefix, and the L3 tiers serving what L1 and L2 dropped."""
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from scriptload import load_script
+
 pytestmark = pytest.mark.redis
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "e2e_rag.py"
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("e2e_rag_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/e2e_rag.py", "e2e_rag_bench")
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
