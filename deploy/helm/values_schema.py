@@ -74,7 +74,8 @@ def enum(values: Any) -> Schema:
 BOOL: Schema = {"type": "boolean"}
 ANY_OBJECT: Schema = {"type": "object"}
 # node name -> ZeroMQ endpoint of an engine's KV-event publisher (router.kv_events)
-ENDPOINTS: Schema = {"type": "object", "additionalProperties": {"type": "string", "pattern": "^(tcp|ipc)://.+$"}}
+ENDPOINTS: Schema = {"type": "object",
+                     "additionalProperties": {"type": "string", "pattern": "^(tcp://[^*/][^/]*:[0-9]+|ipc://.+)$"}}
 ANY_LIST: Schema = {"type": "array"}
 PORT = integer(1, 65535)
 QUANTITY: Schema = {"type": ["string", "integer", "number"],

@@ -45,7 +45,7 @@ from hicache.router.scoring import ScoringParams, policy_names
 
 INDEX_MODES = ("events", "approximate")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.*-]+):[0-9]{1,5}|ipc://.+)$")
+_ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})|ipc://.+)$")
 
 
 class NodeSpec(NamedTuple):
@@ -68,6 +68,18 @@ def parse_node(text: str, where: str = "router.nodes") -> NodeSpec:
     if sep and not _NAME.match(name):
         raise ConfigError(f"{where}: {text!r}: bad node name {name!r} (letters, digits, '_', '.', '-')", where)
     return NodeSpec(name or address, address)
+
+
+def endpoint_problem(endpoint: Any) -> str:
+    """Why ``endpoint`` is not a ZeroMQ endpoint the router can connect to ("" : it is)."""
+    m = _ENDPOINT.match(endpoint) if isinstance(endpoint, str) else None
+    if m is None:
+        if isinstance(endpoint, str) and endpoint.startswith("tcp://*"):
+            return "'*' binds on the engine's side; connect to the engine's host (tcp://HOST:PORT)"
+        return "not a ZeroMQ endpoint to connect to (tcp://HOST:PORT or ipc://PATH)"
+    if m[3] is not None and not 1 <= int(m[3]) <= 65535:
+        return "port must be in 1-65535"
+    return ""
 
 
 def check_nodes(nodes: list[NodeSpec], where: str = "router.nodes") -> None:
@@ -176,9 +188,9 @@ class RouterConfig:
                 if name not in names:
                     raise ConfigError(f"router.{f}: {name!r} is not a node (router.nodes: {sorted(names)})",
                                       f"router.{f}")
-                if not isinstance(endpoint, str) or not _ENDPOINT.match(endpoint):
-                    raise ConfigError(f"router.{f}: {name}: {endpoint!r} is not a ZeroMQ endpoint "
-                                      "(tcp://HOST:PORT or ipc://PATH)", f"router.{f}")
+                why = endpoint_problem(endpoint)
+                if why:
+                    raise ConfigError(f"router.{f}: {name}: {endpoint!r}: {why}", f"router.{f}")
         extra = sorted(set(self.kv_events_replay) - set(self.kv_events))
         if extra:
             raise ConfigError(f"router.kv_events_replay: {extra} have no router.kv_events endpoint",

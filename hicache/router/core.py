@@ -125,6 +125,14 @@ class RouteDecision(NamedTuple):
     replayed: bool = False  # the route already made for the request's id, returned again as it was decided
 
 
+class Completion(NamedTuple):
+    """What :meth:`Router.complete_call` made of a Complete."""
+
+    node: str | None  # the route's node (None: unknown id, or one past twice its TTL)
+    late: bool  # the route was past its TTL: its load had ended already, only the breaker heard of it
+    repeat: bool  # the route was completed already (a retried Complete): nothing changed
+
+
 class Router:
     """The router's state: the nodes, their page index, load and breakers; decides where requests go.
 
@@ -282,6 +290,10 @@ class Router:
         ns = self.namespace(tenant)
         keys = page_keys_from_bytes(ns.digest, token_bytes, self.page_size)
         matches = self.index.match(keys)
+        if tenant and self.engines:  # an engine's prefix cache has no tenants: match it with the base keys
+            base = self.index.match(page_keys_from_bytes(self.ns.digest, token_bytes, self.page_size))
+            for name in self.engines:
+                matches[name] = base.get(name, NO_MATCH)
         cands: list[Candidate] = []
         scored: dict[str, ScoredNode] = {}
         skip = set(exclude)
@@ -294,8 +306,8 @@ class Router:
             if not why:
                 cands.append(c)
         if not cands:
-            raise NoNodeError(f"{NO_NODE}: " + listed(
-                [f"{n}: {s.why_not}" for n, s in scored.items()]) if scored else "no nodes configured")
+            raise NoNodeError(f"{NO_NODE}: " + (listed(
+                [f"{n}: {s.why_not}" for n, s in scored.items()]) if scored else "no nodes configured"))
         d = pol.choose(cands, len(keys))
         for c, s in zip(cands, d.scores, strict=True):
             scored[c.node] = scored[c.node]._replace(score=s)
@@ -317,29 +329,37 @@ class Router:
         """The routed request finished with ``code`` on its node; returns the node (None: unknown id, or
         one past twice its TTL). A route past its TTL no longer counts in flight, but its completion, up to
         another TTL later, still tells the node's breaker how the call went (a slow call that failed)."""
-        return self.complete_route(route_id, code)[0]
+        return self.complete_call(route_id, code).node
 
     def complete_route(self, route_id: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> tuple[str | None, bool]:
         """:meth:`complete`, and whether the route was past its TTL (late: its load had ended already)."""
+        c = self.complete_call(route_id, code)
+        return c.node, c.late
+
+    def complete_call(self, route_id: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> Completion:
+        """:meth:`complete` as a :class:`Completion`. A repeat of a completion taken less than a TTL ago (a
+        client retrying after the reply was lost) names the node again and changes nothing: the breaker
+        heard the call once."""
         self.inflight.expire()  # a route past its TTL is gone, whether or not a Route call swept it yet
         r = self.inflight.finish(route_id)
         late = r is None
         if r is None:
             r = self.inflight.finish_late(route_id)
             if r is None:
-                return None, False
+                done = self.inflight.finished(route_id)
+                return Completion(done.node if done is not None else None, False, done is not None)
         breaker = self.nodes[r.node].breaker
         trips = breaker.trips
         breaker.record(code, started=r.started)
         self._forget_if_opened(r.node, trips)
-        return r.node, late
+        return Completion(r.node, late, False)
 
     def withdraw(self, route_id: str) -> bool:
         """Take back a route whose answer never reached its client (decided after the call's deadline): it
         stops counting in flight and as routed to its node, and no breaker hears of it. With the approximate
         index, the pages it newly predicted are forgotten when it is the latest route (withdraw right after
         deciding); an earlier route's stay predicted. False: unknown id."""
-        r = self.inflight.finish(route_id)
+        r = self.inflight.finish(route_id, remember=False)
         if r is None:
             return False
         self.nodes[r.node].routed -= 1

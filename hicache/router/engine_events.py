@@ -64,9 +64,15 @@ class Cleared(NamedTuple):
 EngineEvent = Stored | Removed | Cleared
 
 
+class Malformed(NamedTuple):
+    """An event the router cannot read (the rest of its batch still applies)."""
+
+    why: str
+
+
 class Batch(NamedTuple):
     ts: float
-    events: list[EngineEvent | None]  # None: an event of a kind this router does not know
+    events: list[EngineEvent | Malformed | None]  # None: an event of a kind this router does not know
     dp_rank: int | None
 
 
@@ -103,8 +109,16 @@ def _event(e: Any) -> EngineEvent | None:
     return None
 
 
+def _read(e: Any) -> EngineEvent | Malformed | None:
+    try:
+        return _event(e)
+    except EngineEventError as err:
+        return Malformed(str(err))
+
+
 def decode_batch(payload: bytes) -> Batch:
-    """One published payload; :class:`EngineEventError` if it is not a KV event batch."""
+    """One published payload; :class:`EngineEventError` if it is not a KV event batch at all. An event
+    that cannot be read becomes :class:`Malformed` in its place."""
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several types for bad input
@@ -112,26 +126,36 @@ def decode_batch(payload: bytes) -> Batch:
     if not isinstance(obj, list) or len(obj) < 2 or not isinstance(obj[0], int | float) or not isinstance(obj[1], list):
         raise EngineEventError("expected a batch [ts, events, ...]")
     rank = obj[2] if len(obj) > 2 and isinstance(obj[2], int) else None
-    return Batch(float(obj[0]), [_event(e) for e in obj[1]], rank)
+    return Batch(float(obj[0]), [_read(e) for e in obj[1]], rank)
+
+
+GPU = "GPU"  # the medium of blocks in the engine's device memory (an event that names none means it)
+
+
+def tiers_of(media: frozenset[str]) -> int:
+    """The index's tier mask for a block held on ``media``: the GPU is L1, anything else (CPU, disk, an
+    offloading connector) L2."""
+    return (L1 if GPU in media else 0) | (L2 if media - {GPU} else 0)
 
 
 @dataclass
 class EngineBlocks:
     """One engine's blocks as the router knows them, written through to the index under the node's name.
 
-    ``blocks``: engine hash -> (page key, tier mask). Two hashes may name one page (the same tokens under
-    two cache salts), so the index holds a key on a tier while any block holds it there (``_held``: per key,
-    how many blocks hold it on L1 and on L2). Single-threaded (the router's event loop)."""
+    ``blocks``: engine hash -> (page key, the media holding the block). Two hashes may name one page (the
+    same tokens under two cache salts), so the index holds a key on a tier while any block holds it there
+    (``_held``: per key, how many blocks hold it on L1 and on L2). Single-threaded (the router's event
+    loop)."""
 
     index: KVIndex
     node: str
     ns_digest: bytes
     page_size: int
-    blocks: dict[Hashable, tuple[bytes, int]] = field(default_factory=dict)
+    blocks: dict[Hashable, tuple[bytes, frozenset[str]]] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFUSALS, 0))
     batches: int = 0  # event batches applied
     gaps: dict[str, int] = field(default_factory=lambda: {"replayed": 0, "lost": 0})  # sequence gaps, by outcome
-    restarts: int = 0  # the engine's sequence went back: a new engine run, its blocks forgotten
+    restarts: int = 0  # the engine's run ended (a disconnect, or its sequence went back): its blocks forgotten
     _held: dict[bytes, list[int]] = field(default_factory=dict)
 
     def apply(self, batch: Batch) -> None:
@@ -143,6 +167,8 @@ class EngineBlocks:
                 self._removed(ev)
             elif isinstance(ev, Cleared):
                 self.clear()
+            elif isinstance(ev, Malformed):
+                self.refused["malformed"] += 1
 
     def clear(self) -> None:
         """Forget every block (the engine cleared its cache, restarted, or events were lost)."""
@@ -150,12 +176,10 @@ class EngineBlocks:
         self.blocks.clear()
         self._held.clear()
 
-    @staticmethod
-    def _tier(medium: str | None) -> int:
-        return L1 if medium is None or medium.upper() == "GPU" else L2
-
     def _count(self, key: bytes, mask: int, step: int) -> None:
         """Add ``step`` holders of ``key`` on the tiers of ``mask`` and write the key's tiers to the index."""
+        if not mask:
+            return
         held = self._held.setdefault(key, [0, 0])
         if mask & L1:
             held[0] += step
@@ -165,6 +189,20 @@ class EngineBlocks:
         if not now:
             del self._held[key]
         self.index.set_page(self.node, self.index.feed(self.node), key, now)
+
+    def _hold(self, h: Hashable, key: bytes, media: frozenset[str]) -> None:
+        """Block ``h`` now holds page ``key`` on ``media`` (none: the block is gone)."""
+        old = self.blocks.get(h)
+        before = tiers_of(old[1]) if old is not None and old[0] == key else 0
+        if old is not None and old[0] != key:  # the engine reused a hash for other content
+            self._count(old[0], tiers_of(old[1]), -1)
+        if media:
+            self.blocks[h] = (key, media)
+        else:
+            self.blocks.pop(h, None)
+        after = tiers_of(media)
+        self._count(key, before & ~after, -1)
+        self._count(key, after & ~before, 1)
 
     def _stored(self, ev: Stored) -> None:
         n = len(ev.hashes)
@@ -186,26 +224,15 @@ class EngineBlocks:
             start = known[0]
         data = b"".join(int(t).to_bytes(4, "little") for t in ev.tokens)
         keys = page_keys_from_bytes(self.ns_digest, data, self.page_size, start)
-        tier = self._tier(ev.medium)
+        medium = ev.medium.upper() if ev.medium else GPU
         for h, key in zip(ev.hashes, keys, strict=True):
             old = self.blocks.get(h)
-            if old is not None and old[0] != key:  # the engine reused a hash for other content
-                self._count(old[0], old[1], -1)
-                old = None
-            new = tier & ~(old[1] if old is not None else 0)
-            if new:
-                self.blocks[h] = (key, tier | (old[1] if old is not None else 0))
-                self._count(key, new, 1)
+            media = old[1] if old is not None and old[0] == key else frozenset()
+            self._hold(h, key, media | {medium})
 
     def _removed(self, ev: Removed) -> None:
-        tier = self._tier(ev.medium)
+        medium = ev.medium.upper() if ev.medium else GPU
         for h in ev.hashes:
             old = self.blocks.get(h)
-            if old is None or not old[1] & tier:
-                continue
-            key, mask = old[0], old[1] & ~tier
-            if mask:
-                self.blocks[h] = (key, mask)
-            else:
-                del self.blocks[h]
-            self._count(key, tier, -1)
+            if old is not None and medium in old[1]:
+                self._hold(h, old[0], old[1] - {medium})

@@ -16,7 +16,12 @@ Sequence numbers are the publisher's, from 0, one per batch:
   while a block kept in error costs one recompute at most;
 * a sequence that goes back (the engine restarted, with an empty cache) forgets the engine's blocks first.
 
-The subscription reconnects by itself (ZeroMQ does); the node counts as connected once a batch arrived.
+The subscription reconnects by itself (ZeroMQ does). A socket monitor tells the link's state: the node
+counts as connected while the publisher's connection is up (an idle engine publishes nothing and is still
+connected); when it drops, the engine's blocks are forgotten (a restarted engine may come back with a
+higher sequence than its old run reached, and it will never remove the old run's blocks), and the first
+batch after the reconnect catches up through the replay. A replay endpoint that does not answer is left
+alone for a while (``REPLAY_BACKOFF_S``, doubling), so a down endpoint does not stall the feed on every gap.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from hicache.router.engine_events import EngineBlocks, EngineEventError, decode_
 
 log = logging.getLogger("hicache.router")
 REPLAY_TIMEOUT_S = 1.0  # the longest wait for the next replayed batch
+REPLAY_BACKOFF_S = 5.0  # after a replay endpoint did not answer, no replay is asked for this long (doubling)
+REPLAY_BACKOFF_MAX_S = 60.0
+RECEIVE_QUEUE = 100_000  # batches the subscription may queue while a replay is under way (ZeroMQ's RCVHWM)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -51,25 +59,38 @@ class EngineFeed:
         self.last_seq: int | None = None
         self._zmq = _zmq()
         self._ctx = self._zmq.asyncio.Context()
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._replay_after = 0.0  # loop time before which no replay is tried (the endpoint timed out)
+        self._replay_backoff = REPLAY_BACKOFF_S
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"engine-{self.spec.name}")
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self._ctx.destroy(linger=0)
-
-    async def _run(self) -> None:
-        zmq = self._zmq
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sub = self._socket(self._zmq.SUB)
+        sub.setsockopt(self._zmq.RCVHWM, RECEIVE_QUEUE)
+        sub.setsockopt(self._zmq.SUBSCRIBE, self.topic.encode())
+        monitor = sub.get_monitor_socket(self._zmq.EVENT_HANDSHAKE_SUCCEEDED | self._zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)
         log.info("engine %s: following KV events at %s", self.spec.name, self.endpoint)
+        self._tasks = [asyncio.create_task(self._receive(sub), name=f"engine-{self.spec.name}"),
+                       asyncio.create_task(self._watch(monitor), name=f"engine-link-{self.spec.name}")]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                try:
+                    await t
+                except Exception:  # a feed that failed must not keep the router from stopping
+                    log.exception("engine %s: feed task failed", self.spec.name)
+        self._ctx.destroy(linger=0)
+
+    def _socket(self, kind: int) -> Any:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(self._zmq.LINGER, 0)
+        sock.setsockopt(self._zmq.IPV6, 1)  # tcp://[::1]:PORT and host names with IPv6 addresses
+        return sock
+
+    async def _receive(self, sub: Any) -> None:
         try:
             while True:
                 frames = await sub.recv_multipart()
@@ -79,6 +100,30 @@ class EngineFeed:
                     log.exception("engine %s: KV event message dropped", self.spec.name)
         finally:
             sub.close(linger=0)
+
+    async def _watch(self, monitor: Any) -> None:
+        """The link to the publisher: connected once a handshake succeeds; a disconnect ends the engine's
+        run as far as the router can tell (a restarted engine may come back with a higher sequence than the
+        old run reached), so its blocks are forgotten and the next batch catches up through the replay."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        zmq = self._zmq
+        st = self.router.nodes[self.spec.name]
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    st.connected = True
+                elif event == zmq.EVENT_DISCONNECTED:
+                    st.connected = False
+                    if self.last_seq is not None or self.blocks.blocks:
+                        log.warning("engine %s: disconnected from %s: its blocks are forgotten until it is back",
+                                    self.spec.name, self.endpoint)
+                        self.blocks.restarts += 1
+                        self.blocks.clear()
+                    self.last_seq = None
+        finally:
+            monitor.close(linger=0)
 
     async def on_message(self, frames: list[bytes]) -> None:
         """One published message ``[topic, sequence, payload]``."""
@@ -96,7 +141,7 @@ class EngineFeed:
             last = None
         first = 0 if last is None else last + 1
         if seq > first and (last is not None or self.replay_endpoint):
-            got = await self.replay(first, seq - 1) if self.replay_endpoint else []
+            got = await self.replay(first, seq - 1)
             for s, payload in got:
                 self._apply(s, payload)
             if last is not None:
@@ -105,14 +150,13 @@ class EngineFeed:
                 if not filled:
                     log.warning("engine %s: KV events %d..%d lost (replay gave %d)", name, first, seq - 1, len(got))
         self._apply(seq, frames[-1])
-        st = self.router.nodes[name]
-        st.connected = True
 
     def _apply(self, seq: int, payload: bytes) -> None:
         try:
             batch = decode_batch(payload)
-        except EngineEventError as e:
+        except EngineEventError as e:  # its removals are lost as surely as a batch never received
             self.blocks.refused["malformed"] += 1
+            self.blocks.gaps["lost"] += 1
             log.warning("engine %s: event batch %d unreadable: %s", self.spec.name, seq, e)
         else:
             self.blocks.apply(batch)
@@ -122,10 +166,12 @@ class EngineFeed:
     async def replay(self, first: int, last: int) -> list[tuple[int, bytes]]:
         """The batches of ``first..last`` the publisher still buffers: a run without a hole, from the
         oldest it holds (later than ``first`` once its buffer has moved on). It sends everything from
-        ``first`` on, then an end marker; a batch missing from the run ends it."""
-        zmq = self._zmq
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        ``first`` on, then an end marker; a batch missing from the run ends it. Nothing when no replay
+        endpoint is set, or while one that timed out is left alone (backing off up to a minute)."""
+        loop = asyncio.get_running_loop()
+        if not self.replay_endpoint or loop.time() < self._replay_after:
+            return []
+        sock = self._socket(self._zmq.DEALER)
         out: list[tuple[int, bytes]] = []
         try:
             sock.connect(self.replay_endpoint)
@@ -133,8 +179,14 @@ class EngineFeed:
             want = first
             while True:
                 if not await sock.poll(REPLAY_TIMEOUT_S * 1000):
+                    if not out:  # no answer at all: leave the endpoint alone for a while
+                        self._replay_after = loop.time() + self._replay_backoff
+                        self._replay_backoff = min(REPLAY_BACKOFF_MAX_S, 2 * self._replay_backoff)
+                        log.warning("engine %s: no replay from %s within %.1f s", self.spec.name,
+                                    self.replay_endpoint, REPLAY_TIMEOUT_S)
                     break
                 frames = await sock.recv_multipart()
+                self._replay_backoff = REPLAY_BACKOFF_S
                 if len(frames) < 3 or frames[-2] == END_OF_REPLAY or not frames[-1]:
                     break
                 s = int.from_bytes(frames[-2], "big")

@@ -45,6 +45,9 @@ class InflightTracker:
         self._late: collections.OrderedDict[str, Inflight] = collections.OrderedDict()
         self._counts: collections.Counter[str] = collections.Counter()
         self._named: dict[Hashable, tuple[str, Any]] = {}  # request key -> (route id, what start() kept)
+        # routes completed, for a TTL (at most LATE_CAP): a repeated Complete (a retry after its reply was
+        # lost) is told it was taken, and changes nothing
+        self._done: collections.OrderedDict[str, Inflight] = collections.OrderedDict()
         self._ids = itertools.count(1)
         self._prefix = f"{int(time.time() * 1000) & 0xFFFFFFFF:08x}"
         self.expired = 0  # routes dropped at the TTL
@@ -70,22 +73,39 @@ class InflightTracker:
         """The route id of the request named ``key`` still in flight, and what :meth:`start` kept with it."""
         return self._named.get(key)
 
-    def finish(self, route_id: str) -> Inflight | None:
-        """Stop counting ``route_id``; returns its record (None: unknown or expired)."""
+    def finish(self, route_id: str, remember: bool = True) -> Inflight | None:
+        """Stop counting ``route_id``; returns its record (None: unknown or expired). ``remember``: keep it
+        for :meth:`finished` (a completion; not a route taken back)."""
         r = self._routes.pop(route_id, None)
         if r is None:
             return None
         self._dec(r.node)
         self._unname(route_id, r)
+        if remember:
+            self._remember(route_id, r)
         return r
+
+    def _remember(self, route_id: str, r: Inflight) -> None:
+        self._done[route_id] = r._replace(deadline=self._clock() + self.ttl_s)
+        self._done.move_to_end(route_id)
+        while len(self._done) > self.LATE_CAP:
+            self._done.popitem(last=False)
+
+    def finished(self, route_id: str) -> Inflight | None:
+        """The record of ``route_id`` if it was completed less than a TTL ago."""
+        return self._done.get(route_id)
 
     def _unname(self, route_id: str, r: Inflight) -> None:
         if r.key is not None and self._named.get(r.key, ("",))[0] == route_id:
             del self._named[r.key]
 
     def finish_late(self, route_id: str) -> Inflight | None:
-        """The record of ``route_id`` if it was dropped at the TTL less than another TTL ago (once only)."""
-        return self._late.pop(route_id, None)
+        """The record of ``route_id`` if it was dropped at the TTL less than another TTL ago (once only:
+        :meth:`finished` has it after that)."""
+        r = self._late.pop(route_id, None)
+        if r is not None:
+            self._remember(route_id, r)
+        return r
 
     def expire(self) -> int:
         """Drop routes past their deadline (kept aside for :meth:`finish_late`); returns how many."""
@@ -100,11 +120,12 @@ class InflightTracker:
             self._unname(rid, r)
             self._late[rid] = r._replace(deadline=r.deadline + self.ttl_s)
             n += 1
-        while self._late:
-            rid, r = next(iter(self._late.items()))
-            if r.deadline > now and len(self._late) <= self.LATE_CAP:
-                break
-            del self._late[rid]
+        for kept in (self._late, self._done):
+            while kept:
+                rid, r = next(iter(kept.items()))
+                if r.deadline > now and len(kept) <= self.LATE_CAP:
+                    break
+                del kept[rid]
         self.expired += n
         return n
 

@@ -66,7 +66,8 @@ class RouterMetrics:
         self.prefix_pages = Counter("hicache_router_prefix_pages", "Pages of routed requests the chosen node "
                                     "held, by tier", ["tier"], registry=r)
         self.completed = Counter("hicache_router_completed", "Complete calls, by the status code reported for the "
-                                 "routed request", ["code"], registry=r)
+                                 "routed request (a repeat of one already taken not counted again)", ["code"],
+                                 registry=r)
         self.index_keys = Gauge("hicache_router_index_keys", "Distinct page keys in the index", registry=r)
         self.index_keys.set_function(lambda: len(router.index))
         self.inflight = Gauge("hicache_router_inflight", "Routes not completed yet", registry=r)
@@ -241,9 +242,10 @@ class RouterServicer(rpb_grpc.RouterServicer):
 
     async def Complete(self, request: rpb.CompleteRequest, context: Ctx) -> rpb.CompleteResponse:
         code = status_from_number(request.status_code)
-        node, late = self.router.complete_route(request.route_id, code)
-        self.metrics.completed.labels(code.name).inc()
-        return rpb.CompleteResponse(known=node is not None, node=node or "", late=late)
+        c = self.router.complete_call(request.route_id, code)
+        if not c.repeat:
+            self.metrics.completed.labels(code.name).inc()
+        return rpb.CompleteResponse(known=c.node is not None, node=c.node or "", late=c.late, repeated=c.repeat)
 
     async def ListNodes(self, request: rpb.ListNodesRequest, context: Ctx) -> rpb.ListNodesResponse:
         r = self.router

@@ -335,7 +335,8 @@ router_config_st = optional(**{
     | {"breaker_cooldown_s": st.sampled_from([0.5, 5.0, 30.0]),
        "breaker_max_cooldown_s": st.sampled_from([1.0, 60.0, 300.0]),
        "kv_events_topic": st.sampled_from(["", "kv", "kv-events"])})
-endpoint_st = st.builds("tcp://{}:{}".format, st.sampled_from(["10.0.0.1", "engine-0.svc", "*"]), st.integers(1, 65535))
+endpoint_st = st.builds("tcp://{}:{}".format, st.sampled_from(["10.0.0.1", "engine-0.svc", "[::1]"]),
+                        st.integers(1, 65535))
 NODES_PATTERN = SCHEMA["properties"]["router"]["properties"]["nodes"]["items"]["pattern"]
 node_name_st = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9_.-]{0,12}\Z")
 

@@ -26,7 +26,7 @@ from hicache.keys import page_keys
 from hicache.router import Router
 from hicache.router.client import AsyncRouterClient
 from hicache.router.config import NodeSpec, RouterConfig, load_router_config
-from hicache.router.engine_events import Cleared, EngineEventError, Removed, Stored, decode_batch
+from hicache.router.engine_events import Cleared, EngineEventError, Malformed, Removed, Stored, decode_batch
 from hicache.router.server import RouterServer
 
 
@@ -82,10 +82,14 @@ def test_batches_decode_as_the_engines_encode_them() -> None:
     assert rm == Removed([7, 8], "CPU") and cl == Cleared() and unknown is None
     short = decode_batch(msgpack.packb([1, [["BlockStored", [1], None, [5] * PS, PS]]]))  # trailing fields omitted
     assert short.events[0] == Stored([1], None, [5] * PS, PS, None, None) and short.dp_rank is None
-    for bad in (b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb([1, [["BlockStored", [1], None]]]),
-                msgpack.packb([1, [["BlockStored", [1], None, [-1] * PS, PS]]]), msgpack.packb([1, [[3]]])):
+    for bad in (b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb(["x", []])):
         with pytest.raises(EngineEventError):
             decode_batch(bad)
+    # an event that cannot be read stands as Malformed; the rest of its batch still applies
+    mixed = decode_batch(msgpack.packb([1, [["BlockStored", [1], None], ["BlockStored", [1], None, [-1] * PS, PS],
+                                            [3], ["BlockRemoved", [1]]]]))
+    assert [type(e).__name__ for e in mixed.events] == ["Malformed", "Malformed", "Malformed", "Removed"]
+    assert all(isinstance(e, Malformed) and e.why for e in mixed.events[:3])
 
 
 # ---------------------------------------------------------------------------------------------- indexing
@@ -115,8 +119,21 @@ def test_media_removals_and_clears() -> None:
     eb.apply(decode_batch(batch(["BlockRemoved", hs[3:], "CPU"])))
     assert prefix(r, toks)["e0"] == (2, 1)
     eb.apply(decode_batch(batch(["BlockRemoved", [b"never stored"], None])))  # unknown: nothing happens
+    eb.apply(decode_batch(batch(["BlockRemoved", hs[:1], "DISK"])))  # a medium the block is not on: nothing
+    assert prefix(r, toks)["e0"] == (2, 1)
+    eb.apply(decode_batch(batch(stored(toks, medium="DISK")[0], ["BlockRemoved", hs, "CPU"])))
+    assert prefix(r, toks)["e0"] == (2, 2)  # still on the disk: L2 stays with the last offloaded copy
     eb.apply(decode_batch(batch(["AllBlocksCleared"])))
     assert prefix(r, toks)["e0"] == (0, 0) and not r.index.feed("e0").pages and not eb.blocks
+
+
+def test_every_tenant_matches_an_engines_cache() -> None:
+    r = new_router("e0")
+    toks = tokens(6, 3)
+    r.engines["e0"].apply(decode_batch(batch(stored(toks)[0])))
+    for tenant in ("", "acme"):
+        d = r.route(toks.astype("<u4").tobytes(), tenant=tenant, peek=True)
+        assert (d.node, d.l1_pages) == ("e0", 3), tenant
 
 
 def test_two_engine_hashes_of_one_page_hold_it_until_both_go() -> None:
@@ -148,11 +165,16 @@ def test_blocks_the_router_cannot_key_are_refused_and_counted() -> None:
 class Publisher:
     """An engine's KV-event publisher: XPUB (a PUB that sees subscriptions) and the replay ROUTER."""
 
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, ports: tuple[int, int] | None = None) -> None:
         self.pub = ctx.socket(zmq.XPUB)
-        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.replay = ctx.socket(zmq.ROUTER)
-        self.replay_port = self.replay.bind_to_random_port("tcp://127.0.0.1")
+        if ports is None:
+            self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            self.replay_port = self.replay.bind_to_random_port("tcp://127.0.0.1")
+        else:  # an engine restarted on its old ports
+            self.port, self.replay_port = ports
+            self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+            self.replay.bind(f"tcp://127.0.0.1:{self.replay_port}")
         self.buffer: list[tuple[int, bytes]] = []
         self.seq = 0
         self._task = asyncio.create_task(self._serve_replay())
@@ -265,7 +287,9 @@ def test_a_router_follows_engines_over_zeromq() -> None:
 def test_bad_engine_settings_are_refused() -> None:
     nodes = ["e0=127.0.0.1:8000"]
     cases = [({"kv_events": {"nope": "tcp://127.0.0.1:5557"}}, "'nope' is not a node"),
-             ({"kv_events": {"e0": "http://127.0.0.1:5557"}}, "is not a ZeroMQ endpoint"),
+             ({"kv_events": {"e0": "http://127.0.0.1:5557"}}, "not a ZeroMQ endpoint to connect to"),
+             ({"kv_events": {"e0": "tcp://*:5557"}}, "'*' binds on the engine's side"),
+             ({"kv_events": {"e0": "tcp://10.0.0.1:70000"}}, "port must be in 1-65535"),
              ({"kv_events": {"e0": "tcp://127.0.0.1:5557"}, "kv_events_replay": {"e0": "tcp://h:1", "x": "tcp://h:2"}},
               "not a node"),
              ({"kv_events": {"e0": "tcp://127.0.0.1:5557"}, "index": "approximate"}, "use router.index: events")]
@@ -308,6 +332,84 @@ def test_a_late_router_catches_up_from_the_oldest_batch_still_buffered() -> None
         finally:
             await router.stop(0.1)
             e0.close()
+            ctx.destroy(0)
+
+    asyncio.run(main())
+
+
+def test_an_engine_that_goes_away_is_disconnected_and_forgotten() -> None:
+    """Connected while the publisher's link is up, even idle; when it drops the engine's blocks go, since a
+    restarted engine may come back with a higher sequence than its old run reached and never remove them."""
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        e0 = Publisher(ctx)
+        rc = RouterConfig(port=0, nodes=[NodeSpec("e0", "127.0.0.1:8000")],
+                          kv_events={"e0": f"tcp://127.0.0.1:{e0.port}"},
+                          kv_events_replay={"e0": f"tcp://127.0.0.1:{e0.replay_port}"})
+        router = RouterServer(node_config(), rc)
+        await router.start()
+        r = router.router
+        try:
+            await e0.subscribed()
+            await until(lambda: r.nodes["e0"].connected, "an idle engine to count as connected")
+            a, b = tokens(30, 3), tokens(31, 2)
+            for _ in range(3):
+                await e0.publish(batch(stored(a)[0]))
+            await until(lambda: prefix(r, a)["e0"] == (3, 0), "the first run's blocks")
+            e0.close()  # the engine stops
+            await until(lambda: not r.nodes["e0"].connected, "the link to drop")
+            assert prefix(r, a)["e0"] == (0, 0) and r.engines["e0"].restarts == 1
+            e0 = Publisher(ctx, (e0.port, e0.replay_port))  # back, its sequence past the old run's
+            e0.seq = 10
+            await e0.subscribed()
+            await e0.publish(batch(stored(b)[0]))
+            await until(lambda: prefix(r, b)["e0"] == (2, 0), "the new run's blocks")
+            assert r.nodes["e0"].connected and prefix(r, a)["e0"] == (0, 0)
+            assert r.engines["e0"].gaps == {"replayed": 0, "lost": 0}
+        finally:
+            await router.stop(0.1)
+            e0.close()
+            ctx.destroy(0)
+
+    asyncio.run(main())
+
+
+def test_an_unreadable_batch_is_a_lost_gap_and_a_silent_replay_endpoint_is_left_alone() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        e0 = Publisher(ctx)
+        silent = ctx.socket(zmq.ROUTER)  # bound, never answers
+        silent_port = silent.bind_to_random_port("tcp://127.0.0.1")
+        rc = RouterConfig(port=0, nodes=[NodeSpec("e0", "127.0.0.1:8000")],
+                          kv_events={"e0": f"tcp://127.0.0.1:{e0.port}"},
+                          kv_events_replay={"e0": f"tcp://127.0.0.1:{silent_port}"})
+        router = RouterServer(node_config(), rc)
+        await router.start()
+        r = router.router
+        eb = r.engines["e0"]
+        try:
+            await e0.subscribed()
+            a = tokens(40, 2)
+            await e0.publish(batch(stored(a)[0]))
+            await until(lambda: eb.batches == 1, "the first batch")
+            await e0.publish(b"not msgpack \xc1")
+            await until(lambda: eb.gaps["lost"] == 1, "the unreadable batch")
+            assert eb.refused["malformed"] == 1 and prefix(r, a)["e0"] == (2, 0)
+            loop = asyncio.get_running_loop()
+            await e0.publish(b"", send=False)  # a gap: the replay endpoint does not answer
+            t0 = loop.time()
+            await e0.publish(batch(["BlockRemoved", chain(a), "GPU"]))
+            await until(lambda: eb.gaps["lost"] == 2, "the first gap")
+            await e0.publish(b"", send=False)  # another gap: the endpoint is left alone, no wait
+            t1 = loop.time()
+            await e0.publish(batch(stored(a)[0]))
+            await until(lambda: eb.gaps["lost"] == 3, "the second gap")
+            assert loop.time() - t1 < 0.5 <= t1 - t0 + 0.1 and prefix(r, a)["e0"] == (2, 0)
+        finally:
+            await router.stop(0.1)
+            e0.close()
+            silent.close(0)
             ctx.destroy(0)
 
     asyncio.run(main())

@@ -28,7 +28,8 @@ def test_failures_reported_after_the_ttl_still_open_the_breaker() -> None:
     assert r.complete_route(ids[0], grpc.StatusCode.UNAVAILABLE) == ("a", True)  # late, still known
     assert r.complete_route(ids[1], grpc.StatusCode.DEADLINE_EXCEEDED) == ("a", True)
     assert r.nodes["a"].breaker.state == "open" and r.nodes["a"].breaker.trips == 1
-    assert r.complete(ids[0], grpc.StatusCode.UNAVAILABLE) is None  # once only
+    again = r.complete_call(ids[0], grpc.StatusCode.UNAVAILABLE)  # a retried Complete: told, nothing counted
+    assert again == ("a", False, True) and r.nodes["a"].breaker.trips == 1
     assert r.inflight.count("a") == 0  # nothing counted back in flight
 
 

@@ -128,7 +128,8 @@ def test_routes_follow_the_prefix_and_completions_free_the_node() -> None:
     assert (d.node, d.l1_pages, d.num_pages, d.reason) == ("a", 8, 8, "prefix")
     assert r.inflight.count("a") == 1
     assert r.complete(d.route_id) == "a" and r.inflight.count("a") == 0
-    assert r.complete(d.route_id) is None  # twice: unknown
+    assert r.complete_call(d.route_id) == ("a", False, True)  # twice: a repeat, nothing counted again
+    assert r.inflight.count("a") == 0
     peek = r.route(tb, peek=True)
     assert peek.route_id == "" and r.inflight.count("a") == 0
 

@@ -84,14 +84,16 @@ class CompleteRequest(_message.Message):
     def __init__(self, route_id: _Optional[str] = ..., status_code: _Optional[int] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
-    __slots__ = ("known", "node", "late")
+    __slots__ = ("known", "node", "late", "repeated")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     LATE_FIELD_NUMBER: _ClassVar[int]
+    REPEATED_FIELD_NUMBER: _ClassVar[int]
     known: bool
     node: str
     late: bool
-    def __init__(self, known: _Optional[bool] = ..., node: _Optional[str] = ..., late: _Optional[bool] = ...) -> None: ...
+    repeated: bool
+    def __init__(self, known: _Optional[bool] = ..., node: _Optional[str] = ..., late: _Optional[bool] = ..., repeated: _Optional[bool] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
