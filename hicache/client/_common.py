@@ -3,13 +3,15 @@ the ids of Match requests the clients name themselves (:func:`new_request_id`, :
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -179,6 +181,29 @@ def retryable(err: grpc.RpcError, idempotent: bool) -> bool:
     if not callable(code) or code() != grpc.StatusCode.UNAVAILABLE:
         return False
     return idempotent or never_sent(err)
+
+
+R = TypeVar("R")
+
+
+async def call_async(method: Callable[..., Awaitable[R]], request: Any, timeout_s: float, metadata: Any,
+                     retry: RetryPolicy, idempotent: bool,
+                     final: Callable[[grpc.aio.AioRpcError], bool] | None = None) -> R:
+    """One asyncio unary call, tried again on UNAVAILABLE as ``retry`` says (:func:`retryable`), within
+    ``timeout_s`` in all; ``final``: errors not to retry even so (a server's own refusal)."""
+    end = time.monotonic() + timeout_s
+    attempt = 0
+    while True:
+        try:
+            return await method(request, timeout=max(0.001, end - time.monotonic()), metadata=metadata)
+        except grpc.aio.AioRpcError as e:
+            attempt += 1
+            if not retryable(e, idempotent) or (final is not None and final(e)) or attempt >= retry.attempts:
+                raise
+            pause = retry.delay(attempt - 1)
+            if time.monotonic() + pause >= end:
+                raise
+            await asyncio.sleep(pause)
 
 
 def match_idempotent(req: pb.MatchRequest) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -35,6 +34,7 @@ from hicache.client._common import (
     ChannelSettings,
     RetryPolicy,
     Tokens,
+    call_async,
     check_reply,
     commit_request,
     encode_tokens,
@@ -45,7 +45,6 @@ from hicache.client._common import (
     never_sent,
     new_request_id,
     ns_ref,
-    retryable,
     write_pages_messages,
 )
 from hicache.client.attach import AttachedPool, attach_pool
@@ -113,20 +112,8 @@ class AsyncHiCacheClient:
         """One unary call, tried again on UNAVAILABLE as :class:`RetryPolicy` says (``idempotent``: a
         repeat changes nothing, so it may follow a failure after the server took the call; by default
         a call is not)."""
-        budget = self.timeout_s if timeout_s is None else timeout_s
-        end = time.monotonic() + budget
-        attempt = 0
-        while True:
-            try:
-                return await method(request, timeout=max(0.001, end - time.monotonic()), metadata=self._md)
-            except grpc.aio.AioRpcError as e:
-                attempt += 1
-                if not retryable(e, idempotent) or attempt >= self.retry.attempts:
-                    raise
-                pause = self.retry.delay(attempt - 1)
-                if time.monotonic() + pause >= end:
-                    raise
-                await asyncio.sleep(pause)
+        return await call_async(method, request, self.timeout_s if timeout_s is None else timeout_s, self._md,
+                                self.retry, idempotent)
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Wait until the channel connects (``TimeoutError`` after ``timeout_s``)."""

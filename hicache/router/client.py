@@ -15,8 +15,6 @@ the request" is not retried.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -27,10 +25,10 @@ from hicache.client._common import (
     ChannelSettings,
     RetryPolicy,
     Tokens,
+    call_async,
     encode_tokens,
     new_request_id,
     ns_ref,
-    retryable,
 )
 from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
 from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
@@ -56,20 +54,8 @@ class AsyncRouterClient:
     async def _call(self, method: Callable[..., Awaitable[R]], request: Any) -> R:
         """One unary call whose repeat changes nothing, tried again on UNAVAILABLE within ``timeout_s``,
         except the router's refusal for want of a node (a retry would only be refused again)."""
-        end = time.monotonic() + self.timeout_s
-        attempt = 0
-        while True:
-            try:
-                return await method(request, timeout=max(0.001, end - time.monotonic()), metadata=self._md)
-            except grpc.aio.AioRpcError as e:
-                attempt += 1
-                if (not retryable(e, True) or (e.details() or "").startswith(NO_NODE)
-                        or attempt >= self.retry.attempts):
-                    raise
-                pause = self.retry.delay(attempt - 1)
-                if time.monotonic() + pause >= end:
-                    raise
-                await asyncio.sleep(pause)
+        return await call_async(method, request, self.timeout_s, self._md, self.retry, True,
+                                lambda e: (e.details() or "").startswith(NO_NODE))
 
     async def route(self, tokens: Tokens, *, tenant: str = "", policy: str = "", exclude: Sequence[str] = (),
                     peek: bool = False, request_id: str | None = None) -> rpb.RouteResponse:

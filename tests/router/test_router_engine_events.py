@@ -9,8 +9,10 @@ key, fill gaps from the replay buffer, count what stays lost, and forget an engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgpack
@@ -221,65 +223,97 @@ def metric(text: str, name: str, **labels: str) -> float:
     return float(m[1])
 
 
-def test_a_router_follows_engines_over_zeromq() -> None:
-    async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        e0, e1 = Publisher(ctx), Publisher(ctx)
-        rc = RouterConfig(port=0, nodes=[NodeSpec("e0", "127.0.0.1:8000"), NodeSpec("e1", "127.0.0.1:8001")],
-                          kv_events={"e0": f"tcp://127.0.0.1:{e0.port}", "e1": f"tcp://127.0.0.1:{e1.port}"},
-                          kv_events_replay={"e0": f"tcp://127.0.0.1:{e0.replay_port}"})
+class Engines:
+    """Publishers of engines' KV events and routers following them, torn down together."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.pubs: list[Publisher] = []
+
+    def publisher(self, ports: tuple[int, int] | None = None) -> Publisher:
+        p = Publisher(self.ctx, ports)
+        self.pubs.append(p)
+        return p
+
+    def silent_endpoint(self) -> str:
+        """A replay endpoint that takes requests and never answers."""
+        sock = self.ctx.socket(zmq.ROUTER)
+        return f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+    @contextlib.asynccontextmanager
+    async def router(self, engines: dict[str, Publisher], replay: dict[str, str]) -> AsyncIterator[RouterServer]:
+        rc = RouterConfig(port=0, nodes=[NodeSpec(n, f"127.0.0.1:{8000 + i}") for i, n in enumerate(engines)],
+                          kv_events={n: f"tcp://127.0.0.1:{p.port}" for n, p in engines.items()},
+                          kv_events_replay=replay)
         router = RouterServer(node_config(), rc)
         await router.start()
-        r = router.router
         try:
-            # blocks e0 stored before the router subscribed come back through the replay buffer
-            a, b = tokens(10, 4), tokens(11, 3)
-            await e0.publish(batch(stored(a)[0]), send=False)
-            await e0.subscribed()
-            await e1.subscribed()
-            await e0.publish(batch(stored(b)[0]))
-            await until(lambda: prefix(r, a)["e0"] == (4, 0) and prefix(r, b)["e0"] == (3, 0), "e0's blocks")
-            async with AsyncRouterClient(f"127.0.0.1:{router.port}") as client:
-                d = await client.route(a)
-                assert d.node == "e0" and d.l1_pages == 4
-                await client.complete(d.route_id)
-
-            # a batch lost on the wire is replayed from the buffer before the next one applies
-            c = tokens(12, 2)
-            await e0.publish(batch(["BlockRemoved", chain(b), "GPU"]), send=False)
-            await e0.publish(batch(stored(c)[0]))
-            await until(lambda: prefix(r, c)["e0"] == (2, 0), "the batch after the gap")
-            assert prefix(r, b)["e0"] == (0, 0)
-
-            # e1 has no replay endpoint: its gap stays, counted, and what was known is kept
-            await e1.publish(batch(stored(a)[0]))
-            await until(lambda: prefix(r, a)["e1"] == (4, 0), "e1's blocks")
-            await e1.publish(batch(["AllBlocksCleared"]), send=False)
-            await e1.publish(batch(stored(c)[0]))
-            await until(lambda: prefix(r, c)["e1"] == (2, 0), "e1 after its gap")
-            assert prefix(r, a)["e1"] == (4, 0)
-
-            # e1 restarts: its sequence starts over and what the router knew of it is forgotten
-            e1.seq, e1.buffer = 0, []
-            await e1.publish(batch(stored(b)[0]))
-            await until(lambda: prefix(r, b)["e1"] == (3, 0), "e1's new run")
-            assert prefix(r, a)["e1"] == (0, 0) and prefix(r, c)["e1"] == (0, 0)
-
-            views = {v.name: v for v in r.views()}
-            assert views["e0"].connected and views["e1"].connected and views["e1"].event_sequence == 0
-            text = generate_latest(router.registry).decode()
-            # the first batch received caught up from 0 through the replay as well; that is no gap
-            assert metric(text, "hicache_router_engine_gaps_total", node="e0", outcome="replayed") == 1.0
-            assert metric(text, "hicache_router_engine_gaps_total", node="e1", outcome="lost") == 1.0
-            assert metric(text, "hicache_router_engine_restarts_total", node="e1") == 1.0
-            assert metric(text, "hicache_router_engine_batches_total", node="e0") == 4.0
-            assert metric(text, "hicache_router_engine_blocks_refused_total", node="e0", reason="orphan") == 0.0
-            assert metric(text, "hicache_router_node_connected", node="e0") == 1.0
+            yield router
         finally:
             await router.stop(0.1)
-            e0.close()
-            e1.close()
-            ctx.destroy(0)
+
+    def __enter__(self) -> Engines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.pubs:
+            p.close()
+        self.ctx.destroy(0)
+
+
+def replay_of(p: Publisher) -> str:
+    return f"tcp://127.0.0.1:{p.replay_port}"
+
+
+def test_a_router_follows_engines_over_zeromq() -> None:
+    async def main() -> None:
+        with Engines() as env:
+            e0, e1 = env.publisher(), env.publisher()
+            async with env.router({"e0": e0, "e1": e1}, {"e0": replay_of(e0)}) as router:
+                r = router.router
+                # blocks e0 stored before the router subscribed come back through the replay buffer
+                a, b = tokens(10, 4), tokens(11, 3)
+                await e0.publish(batch(stored(a)[0]), send=False)
+                await e0.subscribed()
+                await e1.subscribed()
+                await e0.publish(batch(stored(b)[0]))
+                await until(lambda: prefix(r, a)["e0"] == (4, 0) and prefix(r, b)["e0"] == (3, 0), "e0's blocks")
+                async with AsyncRouterClient(f"127.0.0.1:{router.port}") as client:
+                    d = await client.route(a)
+                    assert d.node == "e0" and d.l1_pages == 4
+                    await client.complete(d.route_id)
+
+                # a batch lost on the wire is replayed from the buffer before the next one applies
+                c = tokens(12, 2)
+                await e0.publish(batch(["BlockRemoved", chain(b), "GPU"]), send=False)
+                await e0.publish(batch(stored(c)[0]))
+                await until(lambda: prefix(r, c)["e0"] == (2, 0), "the batch after the gap")
+                assert prefix(r, b)["e0"] == (0, 0)
+
+                # e1 has no replay endpoint: its gap stays, counted, and what was known is kept
+                await e1.publish(batch(stored(a)[0]))
+                await until(lambda: prefix(r, a)["e1"] == (4, 0), "e1's blocks")
+                await e1.publish(batch(["AllBlocksCleared"]), send=False)
+                await e1.publish(batch(stored(c)[0]))
+                await until(lambda: prefix(r, c)["e1"] == (2, 0), "e1 after its gap")
+                assert prefix(r, a)["e1"] == (4, 0)
+
+                # e1 restarts: its sequence starts over and what the router knew of it is forgotten
+                e1.seq, e1.buffer = 0, []
+                await e1.publish(batch(stored(b)[0]))
+                await until(lambda: prefix(r, b)["e1"] == (3, 0), "e1's new run")
+                assert prefix(r, a)["e1"] == (0, 0) and prefix(r, c)["e1"] == (0, 0)
+
+                views = {v.name: v for v in r.views()}
+                assert views["e0"].connected and views["e1"].connected and views["e1"].event_sequence == 0
+                text = generate_latest(router.registry).decode()
+                # the first batch received caught up from 0 through the replay as well; that is no gap
+                assert metric(text, "hicache_router_engine_gaps_total", node="e0", outcome="replayed") == 1.0
+                assert metric(text, "hicache_router_engine_gaps_total", node="e1", outcome="lost") == 1.0
+                assert metric(text, "hicache_router_engine_restarts_total", node="e1") == 1.0
+                assert metric(text, "hicache_router_engine_batches_total", node="e0") == 4.0
+                assert metric(text, "hicache_router_engine_blocks_refused_total", node="e0", reason="orphan") == 0.0
+                assert metric(text, "hicache_router_node_connected", node="e0") == 1.0
 
     asyncio.run(main())
 
@@ -311,28 +345,19 @@ def test_the_cli_names_a_bad_kv_events_flag(capsys: pytest.CaptureFixture[str]) 
 
 def test_a_late_router_catches_up_from_the_oldest_batch_still_buffered() -> None:
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        e0 = Publisher(ctx)
-        rc = RouterConfig(port=0, nodes=[NodeSpec("e0", "127.0.0.1:8000")],
-                          kv_events={"e0": f"tcp://127.0.0.1:{e0.port}"},
-                          kv_events_replay={"e0": f"tcp://127.0.0.1:{e0.replay_port}"})
-        router = RouterServer(node_config(), rc)
-        await router.start()
-        r = router.router
-        try:
-            a, b, c = tokens(20, 2), tokens(21, 3), tokens(22, 2)
-            await e0.publish(batch(stored(a)[0]), send=False, keep=False)  # gone from the publisher's buffer
-            await e0.publish(batch(stored(b)[0]), send=False)  # still buffered
-            await e0.subscribed()
-            await e0.publish(batch(stored(c)[0]))
-            await until(lambda: prefix(r, c)["e0"] == (2, 0), "the batch received")
-            assert prefix(r, b)["e0"] == (3, 0) and prefix(r, a)["e0"] == (0, 0)
-            eb = r.engines["e0"]
-            assert eb.batches == 2 and eb.gaps == {"replayed": 0, "lost": 0}
-        finally:
-            await router.stop(0.1)
-            e0.close()
-            ctx.destroy(0)
+        with Engines() as env:
+            e0 = env.publisher()
+            async with env.router({"e0": e0}, {"e0": replay_of(e0)}) as router:
+                r = router.router
+                a, b, c = tokens(20, 2), tokens(21, 3), tokens(22, 2)
+                await e0.publish(batch(stored(a)[0]), send=False, keep=False)  # gone from the publisher's buffer
+                await e0.publish(batch(stored(b)[0]), send=False)  # still buffered
+                await e0.subscribed()
+                await e0.publish(batch(stored(c)[0]))
+                await until(lambda: prefix(r, c)["e0"] == (2, 0), "the batch received")
+                assert prefix(r, b)["e0"] == (3, 0) and prefix(r, a)["e0"] == (0, 0)
+                eb = r.engines["e0"]
+                assert eb.batches == 2 and eb.gaps == {"replayed": 0, "lost": 0}
 
     asyncio.run(main())
 
@@ -342,74 +367,53 @@ def test_an_engine_that_goes_away_is_disconnected_and_forgotten() -> None:
     restarted engine may come back with a higher sequence than its old run reached and never remove them."""
 
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        e0 = Publisher(ctx)
-        rc = RouterConfig(port=0, nodes=[NodeSpec("e0", "127.0.0.1:8000")],
-                          kv_events={"e0": f"tcp://127.0.0.1:{e0.port}"},
-                          kv_events_replay={"e0": f"tcp://127.0.0.1:{e0.replay_port}"})
-        router = RouterServer(node_config(), rc)
-        await router.start()
-        r = router.router
-        try:
-            await e0.subscribed()
-            await until(lambda: r.nodes["e0"].connected, "an idle engine to count as connected")
-            a, b = tokens(30, 3), tokens(31, 2)
-            for _ in range(3):
-                await e0.publish(batch(stored(a)[0]))
-            await until(lambda: prefix(r, a)["e0"] == (3, 0), "the first run's blocks")
-            e0.close()  # the engine stops
-            await until(lambda: not r.nodes["e0"].connected, "the link to drop")
-            assert prefix(r, a)["e0"] == (0, 0) and r.engines["e0"].restarts == 1
-            e0 = Publisher(ctx, (e0.port, e0.replay_port))  # back, its sequence past the old run's
-            e0.seq = 10
-            await e0.subscribed()
-            await e0.publish(batch(stored(b)[0]))
-            await until(lambda: prefix(r, b)["e0"] == (2, 0), "the new run's blocks")
-            assert r.nodes["e0"].connected and prefix(r, a)["e0"] == (0, 0)
-            assert r.engines["e0"].gaps == {"replayed": 0, "lost": 0}
-        finally:
-            await router.stop(0.1)
-            e0.close()
-            ctx.destroy(0)
+        with Engines() as env:
+            e0 = env.publisher()
+            async with env.router({"e0": e0}, {"e0": replay_of(e0)}) as router:
+                r = router.router
+                await e0.subscribed()
+                await until(lambda: r.nodes["e0"].connected, "an idle engine to count as connected")
+                a, b = tokens(30, 3), tokens(31, 2)
+                for _ in range(3):
+                    await e0.publish(batch(stored(a)[0]))
+                await until(lambda: prefix(r, a)["e0"] == (3, 0), "the first run's blocks")
+                e0.close()  # the engine stops
+                await until(lambda: not r.nodes["e0"].connected, "the link to drop")
+                assert prefix(r, a)["e0"] == (0, 0) and r.engines["e0"].restarts == 1
+                e0 = env.publisher((e0.port, e0.replay_port))  # back, its sequence past the old run's
+                e0.seq = 10
+                await e0.subscribed()
+                await e0.publish(batch(stored(b)[0]))
+                await until(lambda: prefix(r, b)["e0"] == (2, 0), "the new run's blocks")
+                assert r.nodes["e0"].connected and prefix(r, a)["e0"] == (0, 0)
+                assert r.engines["e0"].gaps == {"replayed": 0, "lost": 0}
 
     asyncio.run(main())
 
 
 def test_an_unreadable_batch_is_a_lost_gap_and_a_silent_replay_endpoint_is_left_alone() -> None:
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        e0 = Publisher(ctx)
-        silent = ctx.socket(zmq.ROUTER)  # bound, never answers
-        silent_port = silent.bind_to_random_port("tcp://127.0.0.1")
-        rc = RouterConfig(port=0, nodes=[NodeSpec("e0", "127.0.0.1:8000")],
-                          kv_events={"e0": f"tcp://127.0.0.1:{e0.port}"},
-                          kv_events_replay={"e0": f"tcp://127.0.0.1:{silent_port}"})
-        router = RouterServer(node_config(), rc)
-        await router.start()
-        r = router.router
-        eb = r.engines["e0"]
-        try:
-            await e0.subscribed()
-            a = tokens(40, 2)
-            await e0.publish(batch(stored(a)[0]))
-            await until(lambda: eb.batches == 1, "the first batch")
-            await e0.publish(b"not msgpack \xc1")
-            await until(lambda: eb.gaps["lost"] == 1, "the unreadable batch")
-            assert eb.refused["malformed"] == 1 and prefix(r, a)["e0"] == (2, 0)
-            loop = asyncio.get_running_loop()
-            await e0.publish(b"", send=False)  # a gap: the replay endpoint does not answer
-            t0 = loop.time()
-            await e0.publish(batch(["BlockRemoved", chain(a), "GPU"]))
-            await until(lambda: eb.gaps["lost"] == 2, "the first gap")
-            await e0.publish(b"", send=False)  # another gap: the endpoint is left alone, no wait
-            t1 = loop.time()
-            await e0.publish(batch(stored(a)[0]))
-            await until(lambda: eb.gaps["lost"] == 3, "the second gap")
-            assert loop.time() - t1 < 0.5 <= t1 - t0 + 0.1 and prefix(r, a)["e0"] == (2, 0)
-        finally:
-            await router.stop(0.1)
-            e0.close()
-            silent.close(0)
-            ctx.destroy(0)
+        with Engines() as env:
+            e0 = env.publisher()
+            async with env.router({"e0": e0}, {"e0": env.silent_endpoint()}) as router:
+                r = router.router
+                eb = r.engines["e0"]
+                await e0.subscribed()
+                a = tokens(40, 2)
+                await e0.publish(batch(stored(a)[0]))
+                await until(lambda: eb.batches == 1, "the first batch")
+                await e0.publish(b"not msgpack \xc1")
+                await until(lambda: eb.gaps["lost"] == 1, "the unreadable batch")
+                assert eb.refused["malformed"] == 1 and prefix(r, a)["e0"] == (2, 0)
+                loop = asyncio.get_running_loop()
+                await e0.publish(b"", send=False)  # a gap: the replay endpoint does not answer
+                t0 = loop.time()
+                await e0.publish(batch(["BlockRemoved", chain(a), "GPU"]))
+                await until(lambda: eb.gaps["lost"] == 2, "the first gap")
+                await e0.publish(b"", send=False)  # another gap: the endpoint is left alone, no wait
+                t1 = loop.time()
+                await e0.publish(batch(stored(a)[0]))
+                await until(lambda: eb.gaps["lost"] == 3, "the second gap")
+                assert loop.time() - t1 < 0.5 <= t1 - t0 + 0.1 and prefix(r, a)["e0"] == (2, 0)
 
     asyncio.run(main())

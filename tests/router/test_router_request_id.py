@@ -6,16 +6,14 @@ Complete, withdrawal or the TTL the id routes anew."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
-import socket
-import threading
 
 import grpc
 import pytest
 from prometheus_client import generate_latest
 from router_helpers import Clock, node_config, router_config, tokens
 
+from cutproxy import CutProxy
 from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
 from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
 from hicache.router import Router
@@ -89,48 +87,6 @@ def test_ids_are_per_tenant_and_ignored_by_peeks() -> None:
         r.route(req(1), request_id="x" * 129)
 
 
-class ReplyCutter:
-    """A TCP proxy in front of the router that, once armed, closes a connection (both sides) the moment the
-    router's reply carrying ``marker`` comes back: the router decided and counted the route, the client
-    never hears of it (a reply lost in transit)."""
-
-    def __init__(self, port: int, marker: bytes) -> None:
-        self.port, self.marker = port, marker
-        self.armed = threading.Event()
-        self.cuts = 0
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.listen_port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.port))
-            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                if replies and self.marker in data and self.armed.is_set():
-                    self.armed.clear()
-                    self.cuts += 1
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-
-    def close(self) -> None:
-        self.listener.close()
-
-
 def test_a_reply_lost_in_transit_is_retried_onto_the_same_route() -> None:
     marker = "lost-reply-marker.invalid:9"
 
@@ -138,10 +94,10 @@ def test_a_reply_lost_in_transit_is_retried_onto_the_same_route() -> None:
         router = RouterServer(node_config(), RouterConfig(port=0, nodes=[NodeSpec("n0", marker)],
                                                           index="approximate", route_ttl_s=600.0))
         await router.start()
-        proxy = ReplyCutter(router.port, marker.encode())
+        proxy = CutProxy(router.port)
         try:
             async with AsyncRouterClient(f"127.0.0.1:{proxy.listen_port}") as client:
-                proxy.armed.set()
+                proxy.arm_at(marker.encode())
                 d = await client.route(tokens(1, 4), request_id="req-1")
                 assert proxy.cuts == 1  # the first reply was lost: this one is the retry's
                 assert d.replayed and d.node == "n0"
@@ -153,7 +109,7 @@ def test_a_reply_lost_in_transit_is_retried_onto_the_same_route() -> None:
                 assert done.known and len(router.router.inflight) == 0
 
                 # a client that names no request cannot be answered again: the lost route stays in flight
-                proxy.armed.set()
+                proxy.arm_at(marker.encode())
                 with grpc.insecure_channel(f"127.0.0.1:{proxy.listen_port}") as ch:
                     stub = rpb_grpc.RouterStub(ch)
                     call = rpb.RouteRequest(tokens=tokens(2, 4).tobytes())

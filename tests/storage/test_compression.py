@@ -15,6 +15,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cutproxy import CutProxy
 from hicache.cache import HiCache
 from hicache.config import ConfigError, load_config
 from hicache.layout import KVLayout
@@ -37,7 +38,6 @@ from hicache.storage.memory import MemoryBackend
 from hicache.storage.redis_backend import RedisBackend
 from kvhelpers import commit_fresh, kv_equal, read_kv, small_config
 from storage.conftest import BACKENDS, NS, needs_redis, page_keys, pages_equal
-from storage.cut_proxy import CutProxy
 from storage.test_backends import flip_stored_byte
 
 CODECS = ["zstd", "lz4"]
