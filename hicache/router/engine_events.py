@@ -27,11 +27,13 @@ never a wrong result.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgpack
+import numpy as np
 
 from hicache.keys import page_keys_from_bytes
 from hicache.router.index import L1, L2, KVIndex
@@ -46,7 +48,7 @@ class EngineEventError(ValueError):
 class Stored(NamedTuple):
     hashes: list[Hashable]
     parent: Hashable | None
-    tokens: list[int]
+    tokens: np.ndarray  # uint32 (little-endian) token ids of the blocks, in order
     block_size: int
     lora_id: int | None
     medium: str | None
@@ -95,11 +97,15 @@ def _event(e: Any) -> EngineEvent | None:
     if kind == "BlockStored":
         if len(f) < 4 or not isinstance(f[0], list) or not isinstance(f[2], list) or not isinstance(f[3], int):
             raise EngineEventError("BlockStored: expected [hashes, parent, token_ids, block_size, ...]")
-        if not all(isinstance(t, int) and 0 <= t < 1 << 32 for t in f[2]):
+        try:
+            ids = np.asarray(f[2]) if f[2] else np.empty(0, np.int64)
+        except (ValueError, OverflowError):
+            ids = np.empty(1, object)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or (len(ids) and (ids.min() < 0 or ids.max() >= 1 << 32)):
             raise EngineEventError("BlockStored: token ids must be integers in [0, 2^32)")
         lora = f[4] if len(f) > 4 and isinstance(f[4], int) else None
-        return Stored([_hash(h) for h in f[0]], None if f[1] is None else _hash(f[1]), f[2], f[3], lora,
-                      _medium(f[5]) if len(f) > 5 else None)
+        return Stored([_hash(h) for h in f[0]], None if f[1] is None else _hash(f[1]), ids.astype("<u4"), f[3],
+                      lora, _medium(f[5]) if len(f) > 5 else None)
     if kind == "BlockRemoved":
         if not f or not isinstance(f[0], list):
             raise EngineEventError("BlockRemoved: expected [hashes, ...]")
@@ -132,6 +138,7 @@ def decode_batch(payload: bytes) -> Batch:
 GPU = "GPU"  # the medium of blocks in the engine's device memory (an event that names none means it)
 
 
+@functools.cache
 def tiers_of(media: frozenset[str]) -> int:
     """The index's tier mask for a block held on ``media``: the GPU is L1, anything else (CPU, disk, an
     offloading connector) L2."""
@@ -222,13 +229,20 @@ class EngineBlocks:
                 self.refused["orphan"] += n
                 return
             start = known[0]
-        data = b"".join(int(t).to_bytes(4, "little") for t in ev.tokens)
-        keys = page_keys_from_bytes(self.ns_digest, data, self.page_size, start)
+        keys = page_keys_from_bytes(self.ns_digest, ev.tokens.tobytes(), self.page_size, start)
         medium = ev.medium.upper() if ev.medium else GPU
+        only = frozenset((medium,))
+        tier = tiers_of(only)
+        blocks, held, st = self.blocks, self._held, self.index.feed(self.node)
         for h, key in zip(ev.hashes, keys, strict=True):
-            old = self.blocks.get(h)
+            old = blocks.get(h)
+            if old is None and key not in held:  # the common case: a new block of a new page
+                blocks[h] = (key, only)
+                held[key] = [1, 0] if tier == L1 else [0, 1]
+                self.index.set_page(self.node, st, key, tier)
+                continue
             media = old[1] if old is not None and old[0] == key else frozenset()
-            self._hold(h, key, media | {medium})
+            self._hold(h, key, media | only)
 
     def _removed(self, ev: Removed) -> None:
         medium = ev.medium.upper() if ev.medium else GPU

@@ -79,19 +79,23 @@ def test_batches_decode_as_the_engines_encode_them() -> None:
                                           ["SomethingNewer", 1]], 3], use_bin_type=True))
     assert b.ts == 2.5 and b.dp_rank == 3
     st, rm, cl, unknown = b.events
-    assert isinstance(st, Stored) and st.tokens == [int(t) for t in toks] and st.block_size == PS
+    assert isinstance(st, Stored) and st.tokens.tolist() == toks.tolist() and st.block_size == PS
+    assert st.tokens.dtype == np.dtype("<u4")
     assert st.medium == "GPU" and st.lora_id is None and st.parent is None
     assert rm == Removed([7, 8], "CPU") and cl == Cleared() and unknown is None
     short = decode_batch(msgpack.packb([1, [["BlockStored", [1], None, [5] * PS, PS]]]))  # trailing fields omitted
-    assert short.events[0] == Stored([1], None, [5] * PS, PS, None, None) and short.dp_rank is None
+    (ev0,) = short.events
+    assert isinstance(ev0, Stored) and ev0.tokens.tolist() == [5] * PS and short.dp_rank is None
+    assert (ev0.hashes, ev0.parent, ev0.block_size, ev0.lora_id, ev0.medium) == ([1], None, PS, None, None)
     for bad in (b"\xc1", msgpack.packb({"ts": 1}), msgpack.packb(["x", []])):
         with pytest.raises(EngineEventError):
             decode_batch(bad)
     # an event that cannot be read stands as Malformed; the rest of its batch still applies
-    mixed = decode_batch(msgpack.packb([1, [["BlockStored", [1], None], ["BlockStored", [1], None, [-1] * PS, PS],
-                                            [3], ["BlockRemoved", [1]]]]))
-    assert [type(e).__name__ for e in mixed.events] == ["Malformed", "Malformed", "Malformed", "Removed"]
-    assert all(isinstance(e, Malformed) and e.why for e in mixed.events[:3])
+    bad_ids = ([-1] * PS, [1.5] * PS, [2**40] * PS, [True] * PS, ["a"] * PS, [[1]] * PS)
+    mixed = decode_batch(msgpack.packb([1, [["BlockStored", [1], None], [3], *(
+        ["BlockStored", [1], None, ids, PS] for ids in bad_ids), ["BlockRemoved", [1]]]]))
+    assert [type(e).__name__ for e in mixed.events] == ["Malformed"] * (2 + len(bad_ids)) + ["Removed"]
+    assert all(isinstance(e, Malformed) and e.why for e in mixed.events[:-1])
 
 
 # ---------------------------------------------------------------------------------------------- indexing
