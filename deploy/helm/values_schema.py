@@ -150,7 +150,8 @@ def router_config_schema() -> Schema:
         "breaker_max_cooldown_s": number(positive=True), "reconnect_max_s": number(positive=True),
         "event_queue": integer(0), "verify_keys": BOOL, "max_request_tokens": integer(1),
         "shutdown_grace_s": number(positive=True),
-        "kv_events": ENDPOINTS, "kv_events_replay": ENDPOINTS, "kv_events_topic": string()},
+        "kv_events": ENDPOINTS, "kv_events_replay": ENDPOINTS, "kv_events_topic": string(),
+        "engine_metrics_path": {"type": "string", "pattern": "^(/.*)?$"}},
         description="host, port, metrics_port, nodes, tokens and TLS paths are set by the chart")
 
 

@@ -135,6 +135,8 @@ class RouterConfig:
     kv_events: dict[str, str] = field(default_factory=dict)
     kv_events_replay: dict[str, str] = field(default_factory=dict)
     kv_events_topic: str = ""  # subscribe to this topic prefix ("" : every topic)
+    # engines' load: their Prometheus page at http://ADDRESS<path>, read every stats_interval_s ("" : not read)
+    engine_metrics_path: str = "/metrics"
 
     def __post_init__(self) -> None:
         self.nodes = [n if isinstance(n, NodeSpec) else parse_node(str(n)) for n in self.nodes]
@@ -191,6 +193,9 @@ class RouterConfig:
                 why = endpoint_problem(endpoint)
                 if why:
                     raise ConfigError(f"router.{f}: {name}: {endpoint!r}: {why}", f"router.{f}")
+        if self.engine_metrics_path and not self.engine_metrics_path.startswith("/"):
+            raise ConfigError(f"router.engine_metrics_path: must start with '/' (or be empty: not read), got "
+                              f"{self.engine_metrics_path!r}", "router.engine_metrics_path")
         extra = sorted(set(self.kv_events_replay) - set(self.kv_events))
         if extra:
             raise ConfigError(f"router.kv_events_replay: {extra} have no router.kv_events endpoint",

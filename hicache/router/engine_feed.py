@@ -22,6 +22,10 @@ connected); when it drops, the engine's blocks are forgotten (a restarted engine
 higher sequence than its old run reached, and it will never remove the old run's blocks), and the first
 batch after the reconnect catches up through the replay. A replay endpoint that does not answer is left
 alone for a while (``REPLAY_BACKOFF_S``, doubling), so a down endpoint does not stall the feed on every gap.
+
+The engine's load: its Prometheus metrics page (``http://ADDRESS/metrics``, ``router.engine_metrics_path``)
+is read every ``stats_interval_s``; its running and waiting requests are the node's queue depth, as a hicache
+node's Stats ``open_requests`` is, so ``cache_aware`` weighs cached prefix against load for engines too.
 """
 
 from __future__ import annotations
@@ -29,7 +33,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import urllib.error
+import urllib.request
 from typing import Any
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.router.config import NodeSpec
 from hicache.router.core import Router
@@ -41,6 +50,26 @@ REPLAY_BACKOFF_S = 5.0  # after a replay endpoint did not answer, no replay is a
 REPLAY_BACKOFF_MAX_S = 60.0
 RECEIVE_QUEUE = 100_000  # batches the subscription may queue while a replay is under way (ZeroMQ's RCVHWM)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+# gauges of the engines' open requests: vLLM's, SGLang's (running and queued)
+QUEUE_GAUGES = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting", "sglang:num_running_reqs",
+                          "sglang:num_queue_reqs"})
+
+
+def engine_queue_depth(url: str, timeout_s: float) -> int | None:
+    """The engine's open requests: the sum of the ``QUEUE_GAUGES`` its metrics page shows (None: it shows
+    none of them). Blocking; ``urllib.error.HTTPError`` for an HTTP error, ``OSError`` / ``ValueError`` when
+    the page cannot be fetched or read."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        text = resp.read(1 << 24).decode("utf-8", "replace")
+    total, seen = 0.0, False
+    for family in text_string_to_metric_families(text):
+        if family.name in QUEUE_GAUGES:
+            for sample in family.samples:
+                total += sample.value
+                seen = True
+    return int(total) if seen else None
 
 
 def _zmq() -> Any:
@@ -63,6 +92,12 @@ class EngineFeed:
         self._replay_after = 0.0  # loop time before which no replay is tried (the endpoint timed out)
         self._replay_backoff = REPLAY_BACKOFF_S
 
+    @property
+    def metrics_url(self) -> str:
+        """Where the engine's Prometheus metrics are read ("" : not read, ``router.engine_metrics_path``)."""
+        path = self.router.rconfig.engine_metrics_path
+        return f"http://{self.spec.address}{path}" if path else ""
+
     def start(self) -> None:
         sub = self._socket(self._zmq.SUB)
         sub.setsockopt(self._zmq.RCVHWM, RECEIVE_QUEUE)
@@ -72,6 +107,30 @@ class EngineFeed:
         log.info("engine %s: following KV events at %s", self.spec.name, self.endpoint)
         self._tasks = [asyncio.create_task(self._receive(sub), name=f"engine-{self.spec.name}"),
                        asyncio.create_task(self._watch(monitor), name=f"engine-link-{self.spec.name}")]
+        if self.metrics_url:
+            self._tasks.append(asyncio.create_task(self._load_loop(), name=f"engine-load-{self.spec.name}"))
+
+    async def _load_loop(self) -> None:
+        """The engine's open requests (running + waiting, from its Prometheus metrics) as the node's queue
+        depth, every ``stats_interval_s``. A poll that cannot reach the engine is a transport failure for
+        its breaker, as a hicache node's failed Stats poll is; an HTTP error (no such page, say) stops the
+        polls, the engine still routed to on the router's own in-flight count."""
+        name, url = self.spec.name, self.metrics_url
+        interval = self.router.rconfig.stats_interval_s
+        while True:
+            try:
+                depth = await asyncio.to_thread(engine_queue_depth, url, max(1.0, interval))
+            except urllib.error.HTTPError as e:
+                log.warning("engine %s: %s answered HTTP %d: its load is not read (router.engine_metrics_path)",
+                            name, url, e.code)
+                return
+            except (OSError, ValueError) as e:  # refused, timed out, reset, unreadable
+                self.router.record(name, grpc.StatusCode.UNAVAILABLE, f"metrics {url}: {e}")
+            else:
+                if depth is not None:
+                    self.router.report_queue(name, depth)
+                self.router.record(name, grpc.StatusCode.OK)
+            await asyncio.sleep(interval)
 
     async def close(self) -> None:
         for t in self._tasks:

@@ -331,10 +331,12 @@ def number_st(prop: dict[str, Any]) -> st.SearchStrategy[Any]:
 
 router_config_st = optional(**{
     k: (st.sampled_from(p["enum"]) if "enum" in p else st.booleans() if p["type"] == "boolean" else number_st(p))
-    for k, p in router_cfg_props.items() if k not in ("kv_events", "kv_events_replay", "kv_events_topic")}
+    for k, p in router_cfg_props.items()
+    if k not in ("kv_events", "kv_events_replay", "kv_events_topic", "engine_metrics_path")}
     | {"breaker_cooldown_s": st.sampled_from([0.5, 5.0, 30.0]),
        "breaker_max_cooldown_s": st.sampled_from([1.0, 60.0, 300.0]),
-       "kv_events_topic": st.sampled_from(["", "kv", "kv-events"])})
+       "kv_events_topic": st.sampled_from(["", "kv", "kv-events"]),
+       "engine_metrics_path": st.sampled_from(["", "/metrics", "/engine/metrics"])})
 endpoint_st = st.builds("tcp://{}:{}".format, st.sampled_from(["10.0.0.1", "engine-0.svc", "[::1]"]),
                         st.integers(1, 65535))
 NODES_PATTERN = SCHEMA["properties"]["router"]["properties"]["nodes"]["items"]["pattern"]

@@ -346,7 +346,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                                str(approx_metrics), "--node", f"n0=127.0.0.1:{port}"], ROUTE_READY)
         procs.append(approx)
         engine, _ = start_cli(["route", "--config", str(tmp / "node.yaml"), "--port", "0", "--metrics-port",
-                               str(engine_metrics), "--node", "e0=127.0.0.1:9", "--kv-events",
+                               str(engine_metrics), "--node", f"e0={engine_events.http_address}", "--kv-events",
                                f"e0=tcp://127.0.0.1:{engine_events.port}"], ROUTE_READY)
         procs.append(engine)
         engine_events.wait()
@@ -395,12 +395,29 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
 
 class EnginePublisher:
     """An engine's KV-event publisher (ZeroMQ, the engines' wire format) that sends one batch of stored
-    blocks to the first subscriber."""
+    blocks to the first subscriber, and its HTTP server's Prometheus page (its load)."""
 
     def __init__(self, page_size: int) -> None:
+        import http.server
+        import threading
+
         import msgpack
         import zmq
 
+        class Metrics(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = b'vllm:num_requests_running{model_name="m"} 1.0\nvllm:num_requests_waiting{model_name="m"} 2.0\n'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+        self.http_address = f"127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.XPUB)
         self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
@@ -415,6 +432,8 @@ class EnginePublisher:
 
     def close(self) -> None:
         self.ctx.destroy(0)
+        self.http.shutdown()
+        self.http.server_close()
 
 
 def panel_query(expr: str) -> str:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import http.server
 import re
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -245,10 +247,17 @@ class Engines:
         return f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
 
     @contextlib.asynccontextmanager
-    async def router(self, engines: dict[str, Publisher], replay: dict[str, str]) -> AsyncIterator[RouterServer]:
-        rc = RouterConfig(port=0, nodes=[NodeSpec(n, f"127.0.0.1:{8000 + i}") for i, n in enumerate(engines)],
+    async def router(self, engines: dict[str, Publisher], replay: dict[str, str],
+                     addresses: dict[str, str] | None = None, **kw: Any) -> AsyncIterator[RouterServer]:
+        """A router following ``engines``; their node addresses are ``addresses`` (default: closed ports, and
+        their load is not read)."""
+        if addresses is None:
+            kw.setdefault("engine_metrics_path", "")
+        where = addresses or {}
+        rc = RouterConfig(port=0, nodes=[NodeSpec(n, where.get(n, f"127.0.0.1:{8000 + i}"))
+                                         for i, n in enumerate(engines)],
                           kv_events={n: f"tcp://127.0.0.1:{p.port}" for n, p in engines.items()},
-                          kv_events_replay=replay)
+                          kv_events_replay=replay, **kw)
         router = RouterServer(node_config(), rc)
         await router.start()
         try:
@@ -419,5 +428,84 @@ def test_an_unreadable_batch_is_a_lost_gap_and_a_silent_replay_endpoint_is_left_
                 await e0.publish(batch(stored(a)[0]))
                 await until(lambda: eb.gaps["lost"] == 3, "the second gap")
                 assert loop.time() - t1 < 0.5 <= t1 - t0 + 0.1 and prefix(r, a)["e0"] == (2, 0)
+
+    asyncio.run(main())
+
+
+class MetricsPage:
+    """An engine's HTTP server, as far as its Prometheus page goes: ``body`` at /metrics, 404 elsewhere."""
+
+    def __init__(self, body: str) -> None:
+        page = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                data = page.body.encode()
+                self.send_response(200 if self.path == "/metrics" else 404)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.body = body
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+VLLM_METRICS = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 5.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+"""
+SGLANG_METRICS = """# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m"} 2.0
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m"} 7.0
+"""
+
+
+def test_an_engines_load_is_read_from_its_metrics_page() -> None:
+    """Running + waiting requests become the node's queue depth: a busy engine holding the prefix loses the
+    request to an idle one once the load outweighs the prefix; a page that is not there stops the polls
+    (the breaker stays closed); an engine that cannot be reached feeds its breaker."""
+
+    async def main() -> None:
+        busy, idle, missing = MetricsPage(VLLM_METRICS), MetricsPage(SGLANG_METRICS), MetricsPage("")
+        try:
+            with Engines() as env:
+                e0, e1, e2, e3 = (env.publisher() for _ in range(4))
+                addresses = {"e0": busy.address, "e1": idle.address, "e2": missing.address, "e3": "127.0.0.1:9"}
+                async with env.router({"e0": e0, "e1": e1, "e2": e2, "e3": e3}, {}, addresses, stats_interval_s=0.05,
+                                      breaker_failures=2, balance_abs_threshold=20.0) as router:
+                    r = router.router
+                    await until(lambda: r.nodes["e0"].queue.value == 8 and r.nodes["e1"].queue.value == 9,
+                                "both engines' load")
+                    await until(lambda: r.nodes["e3"].breaker.state == "open", "the unreachable engine's breaker")
+                    await asyncio.sleep(0.2)
+                    assert r.nodes["e2"].breaker.state == "closed" and r.nodes["e2"].queue.value == 0
+                    views = {v.name: v for v in r.views()}
+                    assert (views["e0"].queue_depth, views["e1"].queue_depth) == (8, 9)
+                    await e0.subscribed()
+                    toks = tokens(50, 4)
+                    await e0.publish(batch(stored(toks)[0]))
+                    await until(lambda: prefix(r, toks)["e0"] == (4, 0), "e0's blocks")
+                    d = r.route(toks.astype("<u4").tobytes(), peek=True)
+                    assert d.node == "e0"  # 8 open requests do not outweigh a whole cached prompt...
+                    busy.body = VLLM_METRICS.replace(" 5.0", " 50.0")
+                    await until(lambda: r.nodes["e0"].queue.value == 53, "e0 busier")
+                    d = r.route(toks.astype("<u4").tobytes(), peek=True)
+                    assert d.node == "e2", d  # ... 53 do: the idle engine costs less
+        finally:
+            for page in (busy, idle, missing):
+                page.close()
 
     asyncio.run(main())
