@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import urllib.error
 import urllib.request
 from typing import Any
@@ -64,12 +65,15 @@ def engine_queue_depth(url: str, timeout_s: float) -> int | None:
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
         text = resp.read(1 << 24).decode("utf-8", "replace")
     total, seen = 0.0, False
-    for family in text_string_to_metric_families(text):
-        if family.name in QUEUE_GAUGES:
-            for sample in family.samples:
-                total += sample.value
-                seen = True
-    return int(total) if seen else None
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name in QUEUE_GAUGES:
+                for sample in family.samples:
+                    total += sample.value
+                    seen = True
+    except Exception as e:  # the parser raises several types for text it cannot read
+        raise ValueError(f"unreadable metrics page: {type(e).__name__}: {e}") from None
+    return int(total) if seen and math.isfinite(total) else None
 
 
 def _zmq() -> Any:
@@ -117,6 +121,7 @@ class EngineFeed:
         polls, the engine still routed to on the router's own in-flight count."""
         name, url = self.spec.name, self.metrics_url
         interval = self.router.rconfig.stats_interval_s
+        unreadable = False
         while True:
             try:
                 depth = await asyncio.to_thread(engine_queue_depth, url, max(1.0, interval))
@@ -124,8 +129,12 @@ class EngineFeed:
                 log.warning("engine %s: %s answered HTTP %d: its load is not read (router.engine_metrics_path)",
                             name, url, e.code)
                 return
-            except (OSError, ValueError) as e:  # refused, timed out, reset, unreadable
+            except OSError as e:  # refused, timed out, reset: the engine may be down
                 self.router.record(name, grpc.StatusCode.UNAVAILABLE, f"metrics {url}: {e}")
+            except ValueError as e:  # the engine answered: not a failure of the engine, its load unknown
+                if not unreadable:
+                    log.warning("engine %s: %s: %s", name, url, e)
+                unreadable = True
             else:
                 if depth is not None:
                     self.router.report_queue(name, depth)
