@@ -186,6 +186,33 @@ def retryable(err: grpc.RpcError, idempotent: bool) -> bool:
 R = TypeVar("R")
 
 
+def retry_pause(e: Any, attempt: int, end: float, retry: RetryPolicy, idempotent: bool,
+                final: Callable[[Any], bool] | None) -> float | None:
+    """How long to wait before trying a call again after its ``attempt``-th try failed with ``e`` (None:
+    not again: not :func:`retryable`, ``final``, out of attempts, or the wait would pass ``end``)."""
+    if not retryable(e, idempotent) or (final is not None and final(e)) or attempt >= retry.attempts:
+        return None
+    pause = retry.delay(attempt - 1)
+    return None if time.monotonic() + pause >= end else pause
+
+
+def call_sync(method: Callable[..., R], request: Any, timeout_s: float, metadata: Any, retry: RetryPolicy,
+              idempotent: bool, final: Callable[[grpc.RpcError], bool] | None = None) -> R:
+    """One blocking unary call, tried again on UNAVAILABLE as ``retry`` says (:func:`retryable`), within
+    ``timeout_s`` in all; ``final``: errors not to retry even so (a server's own refusal)."""
+    end = time.monotonic() + timeout_s
+    attempt = 0
+    while True:
+        try:
+            return method(request, timeout=max(0.001, end - time.monotonic()), metadata=metadata)
+        except grpc.RpcError as e:
+            attempt += 1
+            pause = retry_pause(e, attempt, end, retry, idempotent, final)
+            if pause is None:
+                raise
+            time.sleep(pause)
+
+
 async def call_async(method: Callable[..., Awaitable[R]], request: Any, timeout_s: float, metadata: Any,
                      retry: RetryPolicy, idempotent: bool,
                      final: Callable[[grpc.aio.AioRpcError], bool] | None = None) -> R:
@@ -198,10 +225,8 @@ async def call_async(method: Callable[..., Awaitable[R]], request: Any, timeout_
             return await method(request, timeout=max(0.001, end - time.monotonic()), metadata=metadata)
         except grpc.aio.AioRpcError as e:
             attempt += 1
-            if not retryable(e, idempotent) or (final is not None and final(e)) or attempt >= retry.attempts:
-                raise
-            pause = retry.delay(attempt - 1)
-            if time.monotonic() + pause >= end:
+            pause = retry_pause(e, attempt, end, retry, idempotent, final)
+            if pause is None:
                 raise
             await asyncio.sleep(pause)
 

@@ -45,6 +45,7 @@ from hicache.client._common import (
     ChannelSettings,
     RetryPolicy,
     Tokens,
+    call_sync,
     check_reply,
     commit_request,
     encode_tokens,
@@ -55,7 +56,6 @@ from hicache.client._common import (
     never_sent,
     new_request_id,
     ns_ref,
-    retryable,
     write_pages_messages,
 )
 from hicache.client.attach import AttachedPool, attach_pool
@@ -131,20 +131,8 @@ class HiCacheClient:
         """One unary call, tried again on UNAVAILABLE as :class:`RetryPolicy` says (``idempotent``: a
         repeat changes nothing, so it may follow a failure after the server took the call; by default
         a call is not)."""
-        budget = self.timeout_s if timeout_s is None else timeout_s
-        end = time.monotonic() + budget
-        attempt = 0
-        while True:
-            try:
-                return method(request, timeout=max(0.001, end - time.monotonic()), metadata=self._md)
-            except grpc.RpcError as e:
-                attempt += 1
-                if not retryable(e, idempotent) or attempt >= self.retry.attempts:
-                    raise
-                pause = self.retry.delay(attempt - 1)
-                if time.monotonic() + pause >= end:
-                    raise
-                time.sleep(pause)
+        return call_sync(method, request, self.timeout_s if timeout_s is None else timeout_s, self._md, self.retry,
+                         idempotent)
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Block until the channel connects (``grpc.FutureTimeoutError`` after ``timeout_s``)."""
