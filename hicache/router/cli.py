@@ -13,7 +13,8 @@ requests. The default, ``--index events``, follows each hicache node's event str
 
 A node that is a vLLM or SGLang engine rather than a hicache node is followed through the engine's own KV
 events: ``--kv-events NAME=tcp://HOST:5557`` (its ZeroMQ publisher; ``--kv-events-replay NAME=tcp://HOST:5558``
-to fill gaps from the publisher's buffer). Its ``--node`` address is where clients send its requests.
+to fill gaps from the publisher's buffer). Its ``--node`` address is where clients send its requests, and
+where its Prometheus page (``/metrics``) tells the router its load.
 
 Node addresses are checked as ``hicache status`` checks its target (:mod:`hicache.address`): a malformed
 ``host:port``, a port outside 1-65535, an empty entry, a name or an address given twice exits with code 2
