@@ -427,7 +427,7 @@ def test_an_unreadable_batch_is_a_lost_gap_and_a_silent_replay_endpoint_is_left_
                 t1 = loop.time()
                 await e0.publish(batch(stored(a)[0]))
                 await until(lambda: eb.gaps["lost"] == 3, "the second gap")
-                assert loop.time() - t1 < 0.5 <= t1 - t0 + 0.1 and prefix(r, a)["e0"] == (2, 0)
+                assert loop.time() - t1 < 0.9 <= t1 - t0 and prefix(r, a)["e0"] == (2, 0)  # no second 1 s wait
 
     asyncio.run(main())
 
