@@ -264,12 +264,12 @@ class Router:
         short (:func:`listed`, ``shown``): a client's strings, or a long node list, echoed whole would make
         the refusal too long for the client to read.
         """
+        self.inflight.expire()  # a route past its TTL no longer counts, nor answers to its request's id
         key: tuple[str, str] | None = None
         if request_id and not peek:
             if len(request_id.encode()) > MAX_ID_BYTES:
                 raise ValueError(f"request_id: longer than {MAX_ID_BYTES} bytes")
             key = (tenant, request_id)
-            self.inflight.expire()
             seen = self.inflight.named(key)
             if seen is not None:
                 _, (mark, decision) = seen
@@ -284,7 +284,6 @@ class Router:
         if unknown:
             names = [shown(n) for n in unknown[:LISTED]] + unknown[LISTED:]  # listed() shows the first few only
             raise ValueError(f"exclude_nodes: unknown node(s) {listed(names)}; known: {listed(list(self.nodes))}")
-        self.inflight.expire()
         if self.approx is not None:
             self.approx.expire()
         ns = self.namespace(tenant)

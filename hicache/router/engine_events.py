@@ -165,6 +165,9 @@ class EngineBlocks:
     restarts: int = 0  # the engine's run ended (a disconnect, or its sequence went back): its blocks forgotten
     _held: dict[bytes, list[int]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self._feed = self.index.feed(self.node)  # the node's entry in the index (kept for the node's life)
+
     def apply(self, batch: Batch) -> None:
         self.batches += 1
         for ev in batch.events:
@@ -187,7 +190,9 @@ class EngineBlocks:
         """Add ``step`` holders of ``key`` on the tiers of ``mask`` and write the key's tiers to the index."""
         if not mask:
             return
-        held = self._held.setdefault(key, [0, 0])
+        held = self._held.get(key)
+        if held is None:
+            held = self._held[key] = [0, 0]
         if mask & L1:
             held[0] += step
         if mask & L2:
@@ -195,21 +200,25 @@ class EngineBlocks:
         now = (L1 if held[0] > 0 else 0) | (L2 if held[1] > 0 else 0)
         if not now:
             del self._held[key]
-        self.index.set_page(self.node, self.index.feed(self.node), key, now)
+        self.index.set_page(self.node, self._feed, key, now)
 
     def _hold(self, h: Hashable, key: bytes, media: frozenset[str]) -> None:
         """Block ``h`` now holds page ``key`` on ``media`` (none: the block is gone)."""
         old = self.blocks.get(h)
-        before = tiers_of(old[1]) if old is not None and old[0] == key else 0
-        if old is not None and old[0] != key:  # the engine reused a hash for other content
-            self._count(old[0], tiers_of(old[1]), -1)
+        before = 0
+        if old is not None:
+            if old[0] == key:
+                before = tiers_of(old[1])
+            else:  # the engine reused a hash for other content
+                self._count(old[0], tiers_of(old[1]), -1)
         if media:
             self.blocks[h] = (key, media)
         else:
             self.blocks.pop(h, None)
         after = tiers_of(media)
-        self._count(key, before & ~after, -1)
-        self._count(key, after & ~before, 1)
+        if before != after:
+            self._count(key, before & ~after, -1)
+            self._count(key, after & ~before, 1)
 
     def _stored(self, ev: Stored) -> None:
         n = len(ev.hashes)
@@ -230,19 +239,10 @@ class EngineBlocks:
                 return
             start = known[0]
         keys = page_keys_from_bytes(self.ns_digest, ev.tokens.tobytes(), self.page_size, start)
-        medium = ev.medium.upper() if ev.medium else GPU
-        only = frozenset((medium,))
-        tier = tiers_of(only)
-        blocks, held, st = self.blocks, self._held, self.index.feed(self.node)
+        only = frozenset((ev.medium.upper() if ev.medium else GPU,))
         for h, key in zip(ev.hashes, keys, strict=True):
-            old = blocks.get(h)
-            if old is None and key not in held:  # the common case: a new block of a new page
-                blocks[h] = (key, only)
-                held[key] = [1, 0] if tier == L1 else [0, 1]
-                self.index.set_page(self.node, st, key, tier)
-                continue
-            media = old[1] if old is not None and old[0] == key else frozenset()
-            self._hold(h, key, media | only)
+            old = self.blocks.get(h)
+            self._hold(h, key, old[1] | only if old is not None and old[0] == key else only)
 
     def _removed(self, ev: Removed) -> None:
         medium = ev.medium.upper() if ev.medium else GPU

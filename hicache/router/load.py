@@ -44,7 +44,7 @@ class InflightTracker:
         # says how the node did (a slow call that failed is a failure), though it no longer counts as load
         self._late: collections.OrderedDict[str, Inflight] = collections.OrderedDict()
         self._counts: collections.Counter[str] = collections.Counter()
-        self._named: dict[Hashable, tuple[str, Any]] = {}  # request key -> (route id, what start() kept)
+        self._named: dict[Hashable, tuple[str, Any]] = {}  # request key -> (route id, what name() kept)
         # routes completed, for a TTL (at most LATE_CAP): a repeated Complete (a retry after its reply was
         # lost) is told it was taken, and changes nothing
         self._done: collections.OrderedDict[str, Inflight] = collections.OrderedDict()
@@ -70,7 +70,7 @@ class InflightTracker:
         self._named[key] = (route_id, kept)
 
     def named(self, key: Hashable) -> tuple[str, Any] | None:
-        """The route id of the request named ``key`` still in flight, and what :meth:`start` kept with it."""
+        """The route id of the request named ``key`` still in flight, and what :meth:`name` kept with it."""
         return self._named.get(key)
 
     def finish(self, route_id: str, remember: bool = True) -> Inflight | None:
