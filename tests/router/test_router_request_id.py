@@ -15,7 +15,6 @@ import pytest
 from prometheus_client import generate_latest
 from router_helpers import Clock, node_config, router_config, tokens
 
-from cutproxy import CutProxy
 from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
 from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
 from hicache.router import Router
@@ -23,6 +22,7 @@ from hicache.router.client import AsyncRouterClient, RouterClient
 from hicache.router.config import NodeSpec, RouterConfig
 from hicache.router.core import RequestIdConflict
 from hicache.router.server import RouterServer
+from tcpproxy import TcpProxy
 
 TTL = 10.0
 
@@ -93,12 +93,12 @@ MARKER = "lost-reply-marker.invalid:9"  # the node's address: in every Route rep
 
 
 @contextlib.asynccontextmanager
-async def lone_router() -> AsyncIterator[tuple[RouterServer, CutProxy]]:
+async def lone_router() -> AsyncIterator[tuple[RouterServer, TcpProxy]]:
     """A router over one node it never dials (the approximate index), and a proxy in front of it."""
     router = RouterServer(node_config(), RouterConfig(port=0, nodes=[NodeSpec("n0", MARKER)], index="approximate",
                                                       route_ttl_s=600.0))
     await router.start()
-    proxy = CutProxy(router.port)
+    proxy = TcpProxy(router.port)
     try:
         yield router, proxy
     finally:
@@ -108,7 +108,7 @@ async def lone_router() -> AsyncIterator[tuple[RouterServer, CutProxy]]:
 
 def test_a_reply_lost_in_transit_is_retried_onto_the_same_route() -> None:
     async def main() -> None:
-        async with lone_router() as (router, proxy), AsyncRouterClient(f"127.0.0.1:{proxy.listen_port}") as client:
+        async with lone_router() as (router, proxy), AsyncRouterClient(f"127.0.0.1:{proxy.port}") as client:
             proxy.arm_at(MARKER.encode())
             d = await client.route(tokens(1, 4), request_id="req-1")
             assert proxy.cuts == 1  # the first reply was lost: this one is the retry's
@@ -122,7 +122,7 @@ def test_a_reply_lost_in_transit_is_retried_onto_the_same_route() -> None:
 
             # a client that names no request cannot be answered again: the lost route stays in flight
             proxy.arm_at(MARKER.encode())
-            with grpc.insecure_channel(f"127.0.0.1:{proxy.listen_port}") as ch:
+            with grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as ch:
                 stub = rpb_grpc.RouterStub(ch)
                 call = rpb.RouteRequest(tokens=tokens(2, 4).tobytes())
                 with pytest.raises(grpc.RpcError) as lost:
@@ -138,7 +138,7 @@ def test_the_blocking_client_retries_a_lost_reply_onto_the_same_route() -> None:
     async def main() -> None:
         async with lone_router() as (router, proxy):
             def client() -> None:
-                with RouterClient(f"127.0.0.1:{proxy.listen_port}") as c:
+                with RouterClient(f"127.0.0.1:{proxy.port}") as c:
                     proxy.arm_at(MARKER.encode())
                     d = c.route(tokens(1, 4))
                     assert proxy.cuts == 1 and d.replayed and d.node == "n0"

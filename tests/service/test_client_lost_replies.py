@@ -25,8 +25,8 @@ from hicache.config import config_from_dict
 from hicache.service.server import NodeServer
 from hicache.storage.base import StorageContext
 from hicache.storage.memory import MemoryBackend
+from tcpproxy import TcpProxy
 
-from .lag_proxy import LagProxy
 from .service_harness import ServerProc
 
 PS = 16
@@ -45,8 +45,8 @@ def srv(server_factory: Callable[..., ServerProc]) -> ServerProc:
 
 
 @pytest.fixture
-def proxy(srv: ServerProc) -> Iterator[LagProxy]:
-    with LagProxy(srv.port) as p:
+def proxy(srv: ServerProc) -> Iterator[TcpProxy]:
+    with TcpProxy(srv.port) as p:
         yield p
 
 
@@ -75,7 +75,7 @@ def node(srv: ServerProc) -> Iterator[Node]:
         yield Node(c)
 
 
-def test_a_reply_that_comes_after_the_deadline_leaves_no_request_open(proxy: LagProxy, node: Node) -> None:
+def test_a_reply_that_comes_after_the_deadline_leaves_no_request_open(proxy: TcpProxy, node: Node) -> None:
     with HiCacheClient(proxy.target) as c:
         c.stats()  # connected
         proxy.lag_s = LAG_S
@@ -86,7 +86,7 @@ def test_a_reply_that_comes_after_the_deadline_leaves_no_request_open(proxy: Lag
         assert node.left_open() == 0
 
 
-def test_a_cancelled_asyncio_match_leaves_no_request_open(proxy: LagProxy, node: Node) -> None:
+def test_a_cancelled_asyncio_match_leaves_no_request_open(proxy: TcpProxy, node: Node) -> None:
     async def main() -> None:
         async with AsyncHiCacheClient(proxy.target) as c:
             await c.stats()
@@ -101,7 +101,7 @@ def test_a_cancelled_asyncio_match_leaves_no_request_open(proxy: LagProxy, node:
     asyncio.run(main())
 
 
-def test_a_match_whose_connection_dropped_is_sent_again_and_opens_one_request(proxy: LagProxy,
+def test_a_match_whose_connection_dropped_is_sent_again_and_opens_one_request(proxy: TcpProxy,
                                                                               node: Node) -> None:
     with HiCacheClient(proxy.target, retry=RetryPolicy(attempts=20, base_s=0.05, max_s=0.2)) as c:
         c.stats()
@@ -114,7 +114,7 @@ def test_a_match_whose_connection_dropped_is_sent_again_and_opens_one_request(pr
 
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_an_asyncio_stream_call_cancelled_while_its_reply_is_due_leaves_no_request_open(
-        proxy: LagProxy, node: Node, pipelined: bool) -> None:
+        proxy: TcpProxy, node: Node, pipelined: bool) -> None:
     async def main() -> None:
         async with AsyncHiCacheClient(proxy.target) as c:
             s = c.match_stream(pipelined=pipelined)

@@ -15,7 +15,6 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cutproxy import CutProxy
 from hicache.cache import HiCache
 from hicache.config import ConfigError, load_config
 from hicache.layout import KVLayout
@@ -39,6 +38,7 @@ from hicache.storage.redis_backend import RedisBackend
 from kvhelpers import commit_fresh, kv_equal, read_kv, small_config
 from storage.conftest import BACKENDS, NS, needs_redis, page_keys, pages_equal
 from storage.test_backends import flip_stored_byte
+from tcpproxy import TcpProxy
 
 CODECS = ["zstd", "lz4"]
 KEY = hashlib.sha256(b"page").digest()
@@ -353,7 +353,7 @@ def test_a_read_cut_short_writes_no_host_page_after_it_returns(redis_single, ope
     keys = page_keys(n, "cut")
     assert writer.batch_set(keys, big_pool(n, 1), list(range(n))) == n
     stored = writer.stats().stored_bytes_written
-    proxy = CutProxy(redis_single.port)
+    proxy = TcpProxy(redis_single.port)
     try:
         reader = open_backend(proxy.url, layout=BIG, prefix=prefix, retry_attempts=1, hash_threads=hash_threads)
         assert reader.probe() is None
@@ -381,7 +381,7 @@ def test_stored_bytes_read_are_those_of_the_attempt_that_succeeded(redis_single,
     src, keys = big_pool(n, 3), page_keys(n, "retry" + wire)
     assert zstd.batch_set(keys, src, list(range(n))) == n
     first = zstd.stats().stored_bytes_written // n
-    proxy = CutProxy(redis_single.port)
+    proxy = TcpProxy(redis_single.port)
     try:
         reader = open_backend(proxy.url, layout=BIG, prefix=prefix, retry_attempts=2, wire=wire)
         assert isinstance(reader, RedisBackend) and reader.probe() is None
