@@ -136,8 +136,8 @@ def lru(pt: PagedTrace, cap: int) -> float:
     return simulate(pt, cap, lambda last, uses: lambda p, now: (0.0, last[p]))
 
 
-def fitted_table(pt: PagedTrace, horizon: float) -> np.ndarray:
-    """P(next prompt use within ``horizon`` requests | prior uses class, idle at least AGES[i]), whole trace."""
+def next_gaps(pt: PagedTrace) -> list[np.ndarray]:
+    """Per prior-uses class, every page touch's wait (requests) until the page's next prompt use (inf: none)."""
     nu_p, nu_x = _next_uses(pt)
     gaps: list[list[float]] = [[] for _ in range(USE_CLASSES)]
     uses: Counter[int] = Counter()
@@ -145,9 +145,14 @@ def fitted_table(pt: PagedTrace, horizon: float) -> np.ndarray:
         for p, nu in zip(pp + xx, nu_p[r] + nu_x[r], strict=True):
             gaps[min(uses[p], USE_CLASSES - 1)].append(nu - r if nu < INF else math.inf)
         uses.update(pp)
+    return [np.array(g) for g in gaps]
+
+
+def fitted_table(gaps: Sequence[np.ndarray], horizon: float) -> np.ndarray:
+    """P(next prompt use within ``horizon`` requests | prior uses class, idle at least AGES[i]), from the whole
+    trace's :func:`next_gaps`."""
     table = np.zeros((USE_CLASSES, len(AGES)))
-    for c, g in enumerate(gaps):
-        arr = np.array(g)
+    for c, arr in enumerate(gaps):
         for i, a in enumerate(AGES):
             idle = arr[arr > a]
             table[c, i] = float((idle <= a + horizon).mean()) if len(idle) else 0.0
@@ -156,9 +161,10 @@ def fitted_table(pt: PagedTrace, horizon: float) -> np.ndarray:
 
 def fitted(pt: PagedTrace, cap: int) -> float:
     residence = cap / max(1.0, sum(len(p) + len(x) for p, x in zip(pt.prompt, pt.extra, strict=True)) / len(pt.prompt))
+    gaps = next_gaps(pt)
     best = 0.0
     for h in (0.25, 0.5, 1.0, 2.0):
-        table = fitted_table(pt, h * residence)
+        table = fitted_table(gaps, h * residence)
 
         def make(last: dict[int, int], uses: Counter[int], t: np.ndarray = table) -> Score:
             def score(p: int, now: int) -> tuple[float, int]:
