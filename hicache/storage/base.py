@@ -5,8 +5,9 @@ A backend stores whole pages by page key. Its contract:
 * ``batch_exists(keys)`` -> how many keys *from the first* are present (hits are a contiguous prefix,
   because key i names page i and everything before it).
 * ``batch_get(keys, host_pool, host_indices)`` -> ``n``: pages ``0..n-1`` were read into the given L2
-  pages, verified (namespace, key, length, checksum): ``n`` is the length of the unbroken run of good
-  pages from the first. A backend may read the whole batch; host pages from ``n`` on are undefined. A
+  pages (of hicache's host pool, or of any :class:`hicache.storage.pageio.PageBuffers`: an engine's),
+  verified (namespace, key, length, checksum): ``n`` is the length of the unbroken run of good pages
+  from the first. A backend may read the whole batch; host pages from ``n`` on are undefined. A
   damaged or foreign page is a miss, never a wrong page.
 * ``batch_set(keys, host_pool, host_indices)`` -> how many pages from the first were stored.
 * ``delete(keys)`` -> how many existed; ``stats()`` -> :class:`StorageStats`; ``close()``.
@@ -34,7 +35,8 @@ from urllib.parse import urlparse
 from hicache.layout import KVLayout
 from hicache.page_codec import PageCodec, make_codec
 from hicache.pool import HostPool
-from hicache.storage.frame import pack_page
+from hicache.storage.frame import PageBuf, pack_page
+from hicache.storage.pageio import PageBuffers
 
 
 def safe_url(url: str) -> str:
@@ -101,7 +103,7 @@ class StorageBackend(abc.ABC):
         """The byte shuffle's element size: the KV dtype's."""
         return self.ctx.layout.element_size
 
-    def pack(self, page: memoryview, key: bytes) -> tuple[bytes, bytes | memoryview]:
+    def pack(self, page: PageBuf, key: bytes) -> tuple[bytes, PageBuf]:
         """One page's frame as (header, payload), compressed with ``storage.compression`` where that saves
         space (:func:`hicache.storage.frame.pack_page`)."""
         return pack_page(page, self.ctx.namespace_digest, key, self.codec, self.elem)
@@ -120,10 +122,12 @@ class StorageBackend(abc.ABC):
     def batch_exists(self, keys: Sequence[bytes]) -> int: ...
 
     @abc.abstractmethod
-    def batch_get(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int: ...
+    def batch_get(self, keys: Sequence[bytes], host_pool: HostPool | PageBuffers, host_indices: Sequence[int]
+                  ) -> int: ...
 
     @abc.abstractmethod
-    def batch_set(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int: ...
+    def batch_set(self, keys: Sequence[bytes], host_pool: HostPool | PageBuffers, host_indices: Sequence[int]
+                  ) -> int: ...
 
     @abc.abstractmethod
     def delete(self, keys: Sequence[bytes]) -> int: ...

@@ -70,8 +70,18 @@ import pyarrow.fs as pafs
 
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
-from hicache.storage.frame import HEADER_BYTES, FrameError, NewerFormat, encode_header, newer_format, unpack_page
-from hicache.storage.pageio import PageIO
+from hicache.storage.frame import (
+    HEADER_BYTES,
+    FrameError,
+    NewerFormat,
+    PageBuf,
+    encode_header,
+    newer_format,
+    page_len,
+    page_parts,
+    unpack_page,
+)
+from hicache.storage.pageio import PageBuffers, page_buffers
 from hicache.storage.threads import check_nice, io_pool
 
 log = logging.getLogger(__name__)
@@ -335,7 +345,7 @@ class FileBackend(StorageBackend):
             n += 1
         return n
 
-    def _write_frame(self, d: str, key: bytes, final: str, header: bytes, payload: bytes | memoryview) -> None:
+    def _write_frame(self, d: str, key: bytes, final: str, header: bytes, payload: PageBuf) -> None:
         """Write one page's frame to ``final`` (in directory ``d``): through a temporary file renamed into
         place where renames are atomic, else in place."""
         target = f"{d}/.{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}" if self.atomic_rename \
@@ -344,7 +354,7 @@ class FileBackend(StorageBackend):
             if self._local:
                 fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 try:
-                    if os.writev(fd, [header, payload]) != HEADER_BYTES + len(payload):
+                    if os.writev(fd, [header, *page_parts(payload)]) != HEADER_BYTES + page_len(payload):
                         raise OSError(f"short write to {target}")
                 finally:
                     os.close(fd)
@@ -353,7 +363,8 @@ class FileBackend(StorageBackend):
             else:
                 with self.fs.open_output_stream(target) as out:
                     out.write(header)
-                    out.write(payload)
+                    for part in page_parts(payload):
+                        out.write(part)
                 if self.atomic_rename:
                     self.fs.move(target, final)
         except BaseException:
@@ -361,9 +372,9 @@ class FileBackend(StorageBackend):
                 self._delete_path(target)
             raise
 
-    def batch_set(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
+    def batch_set(self, keys: Sequence[bytes], host_pool: HostPool | PageBuffers, host_indices: Sequence[int]) -> int:
         self._check_lengths(keys, host_indices)
-        pio = PageIO(host_pool)
+        pio = page_buffers(host_pool)
 
         stored = [0] * len(keys)  # payload bytes as written
 
@@ -381,8 +392,8 @@ class FileBackend(StorageBackend):
                 self._dirs.discard(d)
                 self._ensure_dir(d)
                 self._write_frame(d, key, final, header, payload)
-            self._note(final, HEADER_BYTES + len(payload))
-            stored[i] = len(payload)
+            self._note(final, HEADER_BYTES + page_len(payload))
+            stored[i] = page_len(payload)
             return OK
 
         res = self._map(one, len(keys), write=True)
@@ -395,15 +406,15 @@ class FileBackend(StorageBackend):
         self._sweep()
         return n
 
-    def batch_get(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
+    def batch_get(self, keys: Sequence[bytes], host_pool: HostPool | PageBuffers, host_indices: Sequence[int]) -> int:
         self._check_lengths(keys, host_indices)
         ns = self.ctx.namespace_digest
-        pio = PageIO(host_pool)
+        pio = page_buffers(host_pool)
         keep = self.delete_corrupt
         seen: list[Seen | None] = [None] * len(keys)  # damaged files as read, for the conditional delete
         stored = [self._page_bytes] * len(keys)  # payload bytes as read
 
-        def unpacked(i: int, blob: bytes | bytearray, dst: memoryview) -> int:
+        def unpacked(i: int, blob: bytes | bytearray, dst: PageBuf) -> int:
             """A compressed frame (smaller than a page's): verify and decode it into ``dst``."""
             try:
                 unpack_page(blob, ns, keys[i], dst)
@@ -437,7 +448,7 @@ class FileBackend(StorageBackend):
                             seen[i] = _seen_reader(lambda k: os.read(fd, k))
                         return CORRUPT
                     header = bytearray(HEADER_BYTES)
-                    got = os.readv(fd, [header, dst]) - HEADER_BYTES
+                    got = os.readv(fd, [header, *page_parts(dst)]) - HEADER_BYTES
                 finally:
                     os.close(fd)
             else:
@@ -451,11 +462,11 @@ class FileBackend(StorageBackend):
                             seen[i] = _seen_reader(f.read)
                         return CORRUPT
                     header = f.read(HEADER_BYTES)
-                    got = f.readinto(dst)
+                    got = sum(f.readinto(part) for part in page_parts(dst))
             if got != self._page_bytes or encode_header(dst, ns, key) != header:
                 if keep and got == self._page_bytes and not newer_format(header):  # (a short read: the file
                     # changed under us; a newer format: another release's page; both kept)
-                    seen[i] = _seen(header, dst)
+                    seen[i] = _seen(header, *page_parts(dst))
                 return CORRUPT
             pio.commit(page, dst)
             self._touch(p)

@@ -33,6 +33,7 @@ way, but one the stores leave in place (a newer release shares the store), where
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 import xxhash
 
@@ -55,6 +56,39 @@ class NewerFormat(FrameError):
     fails verification, but not damage: a store never deletes it (the page's next write replaces it)."""
 
 
+Buffer = bytes | bytearray | memoryview
+# One page's bytes: contiguous, or its pieces in order (an engine's host pool may keep a page's K and V, or
+# its layers, apart; the frame's payload is their concatenation, written and read without joining them).
+PageBuf = Buffer | Sequence[memoryview]
+
+
+def page_parts(page: PageBuf) -> Sequence[Buffer]:
+    """``page``'s pieces in order (a contiguous page is one piece)."""
+    return page if isinstance(page, (list, tuple)) else (page,)  # type: ignore[return-value]
+
+
+def page_len(page: PageBuf) -> int:
+    """Bytes of ``page``, all pieces together."""
+    if isinstance(page, (list, tuple)):
+        return sum(len(p) for p in page)
+    return len(page)  # type: ignore[arg-type]
+
+
+def join_page(page: PageBuf) -> Buffer:
+    """``page`` as one contiguous buffer (no copy when it is one piece)."""
+    parts = page_parts(page)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def scatter(src: Buffer, dst: PageBuf) -> None:
+    """Copy ``src`` (exactly ``page_len(dst)`` bytes) into ``dst``'s pieces in order."""
+    view, off = memoryview(src), 0
+    for part in page_parts(dst):
+        n = len(part)
+        part[:] = view[off:off + n]  # type: ignore[index]
+        off += n
+
+
 def newer_format(header: bytes | bytearray | memoryview) -> bool:
     """``header`` (a frame's first bytes) starts a frame of a later version than this release knows."""
     if len(header) < 6:
@@ -63,11 +97,12 @@ def newer_format(header: bytes | bytearray | memoryview) -> bool:
     return bool(magic == MAGIC and version > PACKED_VERSION)
 
 
-def _checksum(ns: bytes, key: bytes, payload: bytes | memoryview, pad: bool = True) -> bytes:
+def _checksum(ns: bytes, key: bytes, payload: PageBuf, pad: bool = True) -> bytes:
     h = xxhash.xxh3_128()
     h.update(ns)
     h.update(key)
-    h.update(payload)
+    for part in page_parts(payload):
+        h.update(part)
     return h.digest().ljust(32, b"\0") if pad else h.digest()
 
 
@@ -87,13 +122,14 @@ def _names(f_ns: bytes, f_key: bytes, ns: bytes, key: bytes) -> tuple[bytes, byt
     return ns32, key32
 
 
-def encode_header(payload: bytes | memoryview, ns: bytes, key: bytes) -> bytes:
+def encode_header(payload: PageBuf, ns: bytes, key: bytes) -> bytes:
+    """The version 2 header of ``payload`` (a page as it is, contiguous or in pieces)."""
     ns32, key32 = _pad32(ns), _pad32(key)
-    return _HEADER.pack(MAGIC, FRAME_VERSION, 0, ns32, key32, len(payload), _checksum(ns32, key32, payload))
+    return _HEADER.pack(MAGIC, FRAME_VERSION, 0, ns32, key32, page_len(payload), _checksum(ns32, key32, payload))
 
 
-def encode_frame(payload: bytes | memoryview, ns: bytes, key: bytes) -> bytes:
-    return encode_header(payload, ns, key) + bytes(payload)
+def encode_frame(payload: PageBuf, ns: bytes, key: bytes) -> bytes:
+    return encode_header(payload, ns, key) + b"".join(page_parts(payload))
 
 
 def decode_frame(blob: bytes | memoryview, ns: bytes, key: bytes, expected_len: int | None = None) -> memoryview:
@@ -117,29 +153,34 @@ def decode_frame(blob: bytes | memoryview, ns: bytes, key: bytes, expected_len: 
     return payload
 
 
-def pack_page(page: memoryview, ns: bytes, key: bytes, codec: PageCodec | None, elem: int
-              ) -> tuple[bytes, bytes | memoryview]:
+def pack_page(page: PageBuf, ns: bytes, key: bytes, codec: PageCodec | None, elem: int
+              ) -> tuple[bytes, PageBuf]:
     """The frame of one page as (header, payload): compressed by ``codec`` (shuffled by ``elem``-byte
     elements) into a version 3 frame when that saves space, else the page as it is (version 2, the
-    payload is ``page`` itself, no copy)."""
-    stored = codec.compress(page, elem) if codec is not None and codec.codec_id else None
+    payload is ``page`` itself, contiguous or in pieces, no copy)."""
+    if codec is None or not codec.codec_id:
+        return encode_header(page, ns, key), page
+    whole = join_page(page)
+    stored = codec.compress(memoryview(whole), elem)
     if stored is None:
         return encode_header(page, ns, key), page
     ns32, key32 = _pad32(ns), _pad32(key)
-    flags = codec.codec_id | (elem << 8)  # type: ignore[union-attr]  # stored is None without a codec
-    check = _checksum(ns32, key32, stored, pad=False) + xxhash.xxh3_128_digest(page)
+    flags = codec.codec_id | (elem << 8)
+    check = _checksum(ns32, key32, stored, pad=False) + xxhash.xxh3_128_digest(whole)
     return _HEADER.pack(MAGIC, PACKED_VERSION, flags, ns32, key32, len(stored), check), stored
 
 
-def unpack_page(blob: bytes | bytearray | memoryview, ns: bytes, key: bytes, dst: memoryview) -> None:
+def unpack_page(blob: bytes | bytearray | memoryview, ns: bytes, key: bytes, dst: PageBuf) -> None:
     """Verify the frame ``blob`` (either version) and write the page it holds into ``dst`` (exactly one
-    page); ``FrameError`` says what did not match. ``dst`` is undefined after an error."""
+    page, contiguous or in pieces); ``FrameError`` says what did not match. ``dst`` is undefined after an
+    error."""
     view = memoryview(blob)
     if len(view) < HEADER_BYTES:
         raise FrameError("frame shorter than its header")
     magic, version, flags, f_ns, f_key, length, checksum = _HEADER.unpack_from(view)
+    size = page_len(dst)
     if magic == MAGIC and version == FRAME_VERSION:
-        dst[:] = decode_frame(view, ns, key, len(dst))
+        scatter(decode_frame(view, ns, key, size), dst)
         return
     if magic != MAGIC:
         raise FrameError("bad magic")
@@ -148,7 +189,7 @@ def unpack_page(blob: bytes | bytearray | memoryview, ns: bytes, key: bytes, dst
     if version != PACKED_VERSION:
         raise FrameError(f"unsupported frame version {version}")
     ns32, key32 = _names(f_ns, f_key, ns, key)
-    if length != len(view) - HEADER_BYTES or length >= len(dst):
+    if length != len(view) - HEADER_BYTES or length >= size:
         raise FrameError("payload length mismatch")
     payload = view[HEADER_BYTES:]
     if _checksum(ns32, key32, payload, pad=False) != checksum[:16]:
@@ -157,9 +198,13 @@ def unpack_page(blob: bytes | bytearray | memoryview, ns: bytes, key: bytes, dst
         codec = codec_for_id(flags & 0xFF)
     except ValueError:
         raise NewerFormat(f"codec id {flags & 0xFF} (this release has {codec_ids()})") from None
+    parts = page_parts(dst)
+    out = parts[0] if len(parts) == 1 else memoryview(bytearray(size))
     try:
-        codec.decompress_into(payload, flags >> 8, dst)
+        codec.decompress_into(payload, flags >> 8, out)  # type: ignore[arg-type]
     except ValueError as e:
         raise FrameError(f"undecodable page ({e})") from None
-    if xxhash.xxh3_128_digest(dst) != checksum[16:]:
+    if xxhash.xxh3_128_digest(out) != checksum[16:]:
         raise FrameError("decoded page checksum mismatch")
+    if out is not parts[0]:
+        scatter(out, dst)

@@ -13,7 +13,8 @@ from typing import Any
 
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
-from hicache.storage.frame import HEADER_BYTES, FrameError, unpack_page
+from hicache.storage.frame import HEADER_BYTES, FrameError, page_len, page_parts, unpack_page
+from hicache.storage.pageio import PageBuffers, page_buffers
 
 
 @register_backend("memory")
@@ -37,39 +38,40 @@ class MemoryBackend(StorageBackend):
                 n += 1
             return n
 
-    def batch_get(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
+    def batch_get(self, keys: Sequence[bytes], host_pool: HostPool | PageBuffers, host_indices: Sequence[int]) -> int:
         self._check_lengths(keys, host_indices)
+        pio = page_buffers(host_pool)
         n = 0
         for key, page in zip(keys, host_indices, strict=True):
             with self._lock:
                 blob = self._data.get(key)
             if blob is None:
                 break
-            dst = memoryview(bytearray(self.ctx.layout.bytes_per_page))
+            dst = pio.target(int(page))
             try:
                 unpack_page(blob, self.ctx.namespace_digest, key, dst)
             except FrameError:
                 self._count(corrupt_pages=1)
                 break
-            host_pool.write_page_bytes(int(page), dst)
+            pio.commit(int(page), dst)
             n += 1
-            self._count(bytes_read=len(dst), stored_bytes_read=len(blob) - HEADER_BYTES)
+            self._count(bytes_read=pio.page_bytes, stored_bytes_read=len(blob) - HEADER_BYTES)
         self._count(gets=n, get_misses=len(keys) - n)
         return n
 
-    def batch_set(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
+    def batch_set(self, keys: Sequence[bytes], host_pool: HostPool | PageBuffers, host_indices: Sequence[int]) -> int:
         self._check_lengths(keys, host_indices)
+        pio = page_buffers(host_pool)
         for key, page in zip(keys, host_indices, strict=True):
-            payload = memoryview(host_pool.page_bytes(int(page)))
-            header, stored = self.pack(payload, key)
-            blob = header + bytes(stored)
+            header, stored = self.pack(pio.source(int(page)), key)
+            blob = b"".join((header, *page_parts(stored)))
             with self._lock:
                 self._data[key] = blob
                 self._data.move_to_end(key)
                 if self.capacity_pages is not None:
                     while len(self._data) > self.capacity_pages:
                         self._data.popitem(last=False)
-            self._count(sets=1, bytes_written=len(payload), stored_bytes_written=len(stored))
+            self._count(sets=1, bytes_written=pio.page_bytes, stored_bytes_written=page_len(stored))
         return len(keys)
 
     def delete(self, keys: Sequence[bytes]) -> int:

@@ -79,8 +79,18 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
-from hicache.storage.frame import HEADER_BYTES, FrameError, NewerFormat, encode_header, newer_format, unpack_page
-from hicache.storage.pageio import PageIO
+from hicache.storage.frame import (
+    HEADER_BYTES,
+    FrameError,
+    NewerFormat,
+    PageBuf,
+    encode_header,
+    newer_format,
+    page_len,
+    page_parts,
+    unpack_page,
+)
+from hicache.storage.pageio import PageBuffers, page_buffers
 from hicache.storage.redis_options import RedisOptions, connect
 from hicache.storage.resp import ReplyError, RespReader, bulk_head, pack
 from hicache.storage.retry import CircuitBreaker, RetryPolicy, call_with_retry
@@ -216,7 +226,7 @@ def _noscript(e: BaseException) -> bool:
     return isinstance(e, redis.exceptions.NoScriptError)
 
 
-Frame = tuple[bytes, bytes | memoryview]  # a page's frame: header, payload as stored
+Frame = tuple[bytes, PageBuf]  # a page's frame: header, payload as stored (contiguous or in pieces)
 
 
 @dataclass
@@ -661,10 +671,10 @@ class RedisBackend(StorageBackend):
             return b"\r\n" + pack(b"PX", ms)[4:]  # "$2\r\nPX\r\n$n\r\nms\r\n" (drop the "*2\r\n")
         return b"\r\n"
 
-    def _frames(self, pages: list[memoryview], keys: list[bytes]) -> list[Frame]:
+    def _frames(self, pages: list[PageBuf], keys: list[bytes]) -> list[Frame]:
         return [self.pack(p, k) for p, k in zip(pages, keys, strict=True)]
 
-    def _hash_ahead(self, pages: list[memoryview], keys: list[bytes]) -> list[tuple[Future[list[Frame]], int]]:
+    def _hash_ahead(self, pages: list[PageBuf], keys: list[bytes]) -> list[tuple[Future[list[Frame]], int]]:
         """Frames (header, stored payload) made on the hash threads, ahead of the socket (xxhash and the
         codecs release the GIL for large inputs), in groups of about 1 MiB; returns (future, index in its
         group) per page."""
@@ -675,11 +685,11 @@ class RedisBackend(StorageBackend):
             out.extend((f, i - lo) for i in range(lo, hi))
         return out
 
-    def _verify_group(self, group: list[tuple[int, bytes, memoryview, bytes]]) -> list[tuple[int, int]]:
+    def _verify_group(self, group: list[tuple[int, bytes, PageBuf, bytes]]) -> list[tuple[int, int]]:
         return [(j, OK if self._verify(h, dst, key) else NEWER if newer_format(h) else CORRUPT)
                 for j, h, dst, key in group]
 
-    def _unpack(self, blob: bytes | bytearray, key: bytes, dst: memoryview) -> int:
+    def _unpack(self, blob: bytes | bytearray, key: bytes, dst: PageBuf) -> int:
         """Verify a frame and decode it into ``dst``: ``OK``, ``CORRUPT``, or ``NEWER`` (a format of a newer
         release: a miss, not damage)."""
         try:
@@ -690,16 +700,16 @@ class RedisBackend(StorageBackend):
             return CORRUPT
         return OK
 
-    def _unpack_group(self, group: list[tuple[int, bytearray, memoryview, bytes]]) -> list[tuple[int, int]]:
+    def _unpack_group(self, group: list[tuple[int, bytearray, PageBuf, bytes]]) -> list[tuple[int, int]]:
         return [(j, self._unpack(blob, key, dst)) for j, blob, dst, key in group]
 
-    def batch_set(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
+    def batch_set(self, keys: Sequence[bytes], host_pool: HostPool | PageBuffers, host_indices: Sequence[int]) -> int:
         self._check_lengths(keys, host_indices)
         items = self._items(keys, host_indices)
         suffix = self._set_suffix()
         nargs = b"*5\r\n" if self.opts.ttl_s > 0 else b"*3\r\n"
 
-        pio = PageIO(host_pool)
+        pio = page_buffers(host_pool)
         stored = [0] * len(keys)  # payload bytes as written, by batch position
 
         def node(client: redis.Redis, its: list[_Item], asking: bool) -> list[int]:
@@ -708,8 +718,8 @@ class RedisBackend(StorageBackend):
                 p = client.pipeline(transaction=False)
                 for it, h in zip(its, heads, strict=True):
                     hd, pl = h[0].result()[h[1]]
-                    stored[it.pos] = len(pl)
-                    val = hd + bytes(pl)
+                    stored[it.pos] = page_len(pl)
+                    val = b"".join((hd, *page_parts(pl)))
                     if asking:
                         p.execute_command("ASKING")
                     if self.opts.ttl_s > 0:
@@ -735,10 +745,10 @@ class RedisBackend(StorageBackend):
                 lead = b""
                 for it, h in zip(its, heads, strict=True):
                     hd, pl = h[0].result()[h[1]]
-                    stored[it.pos] = len(pl)
+                    size = stored[it.pos] = page_len(pl)
                     head = b"".join((lead, ask, nargs, b"$3\r\nSET\r\n", bulk_head(len(it.rkey)), it.rkey,
-                                     b"\r\n", bulk_head(len(pl) + HEADER_BYTES), hd))
-                    conn.send_packed_command([head, pl], check_health=False)
+                                     b"\r\n", bulk_head(size + HEADER_BYTES), hd))
+                    conn.send_packed_command([head, *page_parts(pl)], check_health=False)
                     lead = suffix
                 conn.send_packed_command([suffix], check_health=False)
                 rd = RespReader(sock)
@@ -778,13 +788,13 @@ class RedisBackend(StorageBackend):
         return n
 
     # ------------------------------------------------------------------ get
-    def _verify(self, header: bytes, payload: memoryview, key: bytes) -> bool:
+    def _verify(self, header: bytes, payload: PageBuf, key: bytes) -> bool:
         return encode_header(payload, self.ctx.namespace_digest, key) == header
 
-    def batch_get(self, keys: Sequence[bytes], host_pool: HostPool, host_indices: Sequence[int]) -> int:
+    def batch_get(self, keys: Sequence[bytes], host_pool: HostPool | PageBuffers, host_indices: Sequence[int]) -> int:
         self._check_lengths(keys, host_indices)
         items = self._items(keys, host_indices)
-        pio = PageIO(host_pool)
+        pio = page_buffers(host_pool)
         ttl_ms = str(max(1, int(self.opts.ttl_s * 1000))).encode() if self.opts.ttl_s > 0 else b""
         touch = bool(ttl_ms) and self.opts.touch_on_read
         keep = self.opts.delete_corrupt  # note what a damaged page held, for the conditional delete
@@ -847,10 +857,10 @@ class RedisBackend(StorageBackend):
                 conn.send_packed_command([b"".join(ask + cmd(it) for it in its)], check_health=False)
                 rd = RespReader(sock)
                 out = [MISS] * len(its)
-                group: list[tuple[int, bytes, memoryview, bytes]] = []
-                packed: list[tuple[int, bytearray, memoryview, bytes]] = []  # compressed frames to decode
-                blobs: dict[int, tuple[bytearray, memoryview]] = {}  # compressed frames read: frame, page
-                held: dict[int, tuple[bytearray, memoryview]] = {}  # zero-copy pages read: header, page
+                group: list[tuple[int, bytes, PageBuf, bytes]] = []
+                packed: list[tuple[int, bytearray, PageBuf, bytes]] = []  # compressed frames to decode
+                blobs: dict[int, tuple[bytearray, PageBuf]] = {}  # compressed frames read: frame, page
+                held: dict[int, tuple[bytearray, PageBuf]] = {}  # zero-copy pages read: header, page
                 errs: list[ReplyError] = []
                 for j, it in enumerate(its):
                     if asking:
@@ -893,7 +903,8 @@ class RedisBackend(StorageBackend):
                     header = bytearray(HEADER_BYTES)
                     rd.readinto(memoryview(header))
                     dst = pio.target(it.page)
-                    rd.readinto(dst)
+                    for part in page_parts(dst):
+                        rd.readinto(part)  # type: ignore[arg-type]
                     rd.expect_crlf()
                     stored[it.pos] = self._page_bytes  # (an earlier attempt may have read it compressed)
                     if pio.zero_copy:  # verify on the hash threads while the next pages arrive
@@ -907,7 +918,8 @@ class RedisBackend(StorageBackend):
                         pio.commit(it.page, dst)
                         out[j] = OK
                     else:
-                        it.damaged = _fingerprint(header, dst) if keep and not newer_format(header) else None
+                        it.damaged = _fingerprint(header, *page_parts(dst)) if keep and not newer_format(header) \
+                            else None
                         out[j] = CORRUPT
                 if rd.buffered:
                     raise ConnectionError("redis: unexpected extra reply bytes")
@@ -921,7 +933,8 @@ class RedisBackend(StorageBackend):
                             pio.commit(its[j].page, blobs[j][1])
                         out[j] = OK if code == OK else CORRUPT
                         if code == CORRUPT and keep:  # what was read: the frame, or the host page holding it
-                            its[j].damaged = _fingerprint(blobs[j][0]) if j in blobs else _fingerprint(*held[j])
+                            its[j].damaged = _fingerprint(blobs[j][0]) if j in blobs else \
+                                _fingerprint(held[j][0], *page_parts(held[j][1]))
                 self._raise_transient(errs)
                 return out
 
