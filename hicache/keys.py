@@ -47,6 +47,9 @@ class Namespace:
     tp_rank: int = 0
     tp_size: int = 1
     tenant: str = ""
+    # the byte order of a page when an engine, not hicache's pool, defines it (e.g. "sglang:page_first");
+    # "" for hicache's own canonical order (and then absent from the text, so older keys stay the same)
+    page_format: str = ""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -57,16 +60,17 @@ class Namespace:
             )
 
     def describe(self) -> str:
-        return "\x1f".join(
-            [
-                f"hicache-ns-v{KEY_FORMAT_VERSION}",
-                f"model={self.model}",
-                f"revision={self.revision}",
-                f"layout={self.layout.describe()}",
-                f"tp={self.tp_rank}/{self.tp_size}",
-                f"tenant={self.tenant}",
-            ]
-        )
+        parts = [
+            f"hicache-ns-v{KEY_FORMAT_VERSION}",
+            f"model={self.model}",
+            f"revision={self.revision}",
+            f"layout={self.layout.describe()}",
+            f"tp={self.tp_rank}/{self.tp_size}",
+            f"tenant={self.tenant}",
+        ]
+        if self.page_format:
+            parts.append(f"format={self.page_format}")
+        return "\x1f".join(parts)
 
     @cached_property
     def digest(self) -> bytes:
@@ -78,7 +82,7 @@ class Namespace:
         return self.layout.page_size
 
     def with_tenant(self, tenant: str) -> Namespace:
-        return Namespace(self.model, self.layout, self.revision, self.tp_rank, self.tp_size, tenant)
+        return Namespace(self.model, self.layout, self.revision, self.tp_rank, self.tp_size, tenant, self.page_format)
 
 
 def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
