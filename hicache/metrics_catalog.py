@@ -2,7 +2,8 @@
 
 A node's ``/metrics`` carries the cache's metrics (:class:`hicache.metrics.Metrics`) and the service's
 (:class:`hicache.service.metrics_http.ServiceMetrics`); a router's carries
-:class:`hicache.router.server.RouterMetrics`. :func:`catalog` builds each of them on a fresh registry and
+:class:`hicache.router.server.RouterMetrics`; an SGLang / vLLM process using hicache's store carries the L3
+counters of :mod:`hicache.integrations.store`. :func:`catalog` builds each of them on a fresh registry and
 lists what they define, so the reference in ``docs/metrics.md`` (:func:`markdown_table`, written by
 ``scripts/gen_metrics_doc.py``) and the names that alert rules and dashboards may use (:func:`series_names`)
 come from the code itself; tests compare them with the committed files.
@@ -22,7 +23,7 @@ SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_s
 class MetricInfo(NamedTuple):
     """One metric family: where it is exported, its name (without ``_total``), type, labels and help."""
 
-    component: str  # "node" or "router"
+    component: str  # "node", "router" or "engine" (an SGLang / vLLM process using hicache's store)
     name: str
     type: str  # counter | gauge | histogram
     labels: tuple[str, ...]
@@ -47,8 +48,9 @@ def _families(*owners: object) -> list[tuple[str, str, tuple[str, ...], str]]:
 
 
 def catalog() -> list[MetricInfo]:
-    """Every metric of a node and of a router, sorted by component then name."""
+    """Every metric of a node, a router and an engine's store, sorted by component then name."""
     from hicache.config import load_config
+    from hicache.integrations.store import _Counters
     from hicache.metrics import Metrics
     from hicache.router.config import RouterConfig
     from hicache.router.core import Router
@@ -61,7 +63,8 @@ def catalog() -> list[MetricInfo]:
                            CollectorRegistry())
     rows = [MetricInfo("node", *f) for f in _families(cache, service)]
     rows += [MetricInfo("router", *f) for f in _families(router)]
-    names = [r.name for r in rows]
+    rows += [MetricInfo("engine", *f) for f in _families(_Counters(CollectorRegistry()))]
+    names = [(r.component, r.name) for r in rows]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise AssertionError(f"metrics defined twice: {sorted(dup)}")

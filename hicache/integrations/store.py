@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from hicache.config import ConfigError, StorageConfig
 from hicache.keys import Namespace
 from hicache.layout import KVLayout
@@ -301,14 +303,14 @@ class _Counters:
     multiprocess mode (SGLang with ``--enable-metrics``, vLLM) shows them there, from whichever of its
     processes runs the store; ``metrics`` in the configuration serves them on an endpoint of their own."""
 
-    def __init__(self) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
         from prometheus_client import REGISTRY, Counter
 
-        self.registry = REGISTRY
-        self.by_field = {f: Counter(name, doc, registry=REGISTRY) for f, name, doc in STORAGE_COUNTERS}
+        self.registry = reg = registry if registry is not None else REGISTRY
+        self.by_field = {f: Counter(name, doc, registry=reg) for f, name, doc in STORAGE_COUNTERS}
         self.by_field["skipped_writes"] = Counter(
             "hicache_storage_skipped_writes", "Pages an engine asked to write that the store held already "
-            "(written by another process)", registry=REGISTRY)
+            "(written by another process)", registry=reg)
         self.lock = threading.Lock()
 
     def publish(self, seen: dict[str, float], now: dict[str, float]) -> None:
