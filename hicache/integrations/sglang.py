@@ -77,6 +77,10 @@ def pool_layout(pool: Any) -> tuple[KVLayout, str]:
     if hasattr(pool, "kv_lora_rank"):  # MLA: one latent of kv_cache_dim per token and layer
         layout = KVLayout(pool.layer_num, 1, int(pool.kv_cache_dim), dtype, pool.page_size, "mla")
     else:
+        v_dim = getattr(pool, "v_head_dim", pool.head_dim)
+        if v_dim != pool.head_dim:
+            raise ConfigError(f"{WHERE}: K and V of different widths ({pool.head_dim} / {v_dim}) are not "
+                              "supported by this backend", WHERE)
         layout = KVLayout(pool.layer_num, pool.head_num, pool.head_dim, dtype, pool.page_size, "mha")
     return layout, pool.layout
 

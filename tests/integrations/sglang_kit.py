@@ -1,0 +1,121 @@
+"""SGLang's own classes on CPU for the adapter tests: its storage factory, config and host pools.
+
+SGLang's host-pool package imports ``sglang.srt.configs``, whose vision-model configs import torchvision at
+module level; the CPU torch these tests run on has no torchvision build that loads beside it. A finder
+placed first on ``sys.meta_path`` answers every ``torchvision*`` import with an empty module (any function
+of it raises if called: nothing here calls one), so the real storage and pool modules import unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from typing import Any
+
+
+class _Interp(enum.Enum):
+    NEAREST = "nearest"
+    NEAREST_EXACT = "nearest-exact"
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    BOX = "box"
+    HAMMING = "hamming"
+    LANCZOS = "lanczos"
+
+
+class _TorchvisionStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        m = types.ModuleType(spec.name)
+        m.__path__ = []
+
+        def missing(attr: str) -> Any:
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            if attr == "InterpolationMode":
+                return _Interp
+
+            def f(*a: Any, **k: Any) -> Any:
+                raise RuntimeError(f"{spec.name}.{attr}: torchvision is stubbed in these tests")
+
+            return f
+
+        m.__getattr__ = missing  # type: ignore[method-assign]
+        return m
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def sglang_available() -> bool:
+    return importlib.util.find_spec("sglang") is not None
+
+
+def load_sglang() -> None:
+    """Import SGLang's storage and host-pool modules (torchvision stubbed first)."""
+    if not any(isinstance(f, _TorchvisionStub) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchvisionStub())
+    import sglang.srt.mem_cache.pool_host.mha
+    import sglang.srt.mem_cache.pool_host.mla
+    import sglang.srt.mem_cache.storage.backend_factory  # noqa: F401
+
+
+def mha_pool(layout: str, layers: int = 3, heads: int = 2, dim: int = 8, page: int = 4, tokens: int = 64) -> Any:
+    """A CPU ``MHATokenToKVPoolHost`` (bf16) over a device pool of ``tokens`` tokens, 2x as many on host."""
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    k = tuple(torch.zeros(tokens, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
+    v = tuple(torch.zeros(tokens, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
+    bufs = KVBuffers(k=k, v=v, k_data_ptrs=torch.tensor([t.data_ptr() for t in k]),
+                     v_data_ptrs=torch.tensor([t.data_ptr() for t in v]), layout=KVBufferLayout.NHD)
+    info = MHABufferInfo(buffers=bufs, page_size=page, head_num=heads, head_dim=dim, v_head_dim=dim,
+                         dtype=torch.bfloat16, device=torch.device("cpu"))
+    return MHATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers)
+
+
+def mla_pool(layout: str, layers: int = 3, dim: int = 12, page: int = 4, tokens: int = 64) -> Any:
+    """A CPU ``MLATokenToKVPoolHost`` (bf16, latent of ``dim`` = kv_lora_rank 8 + rope ``dim - 8``)."""
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    bufs = tuple(torch.zeros(tokens, 1, dim, dtype=torch.bfloat16) for _ in range(layers))
+    info = MLABufferInfo(buffers=bufs, data_ptrs=torch.tensor([t.data_ptr() for t in bufs]),
+                         layer_indices=tuple(range(layers)), device_layer_num=layers, page_size=page,
+                         kv_lora_rank=8, qk_rope_head_dim=dim - 8, kv_cache_dim=dim, dtype=torch.bfloat16,
+                         device=torch.device("cpu"))
+    return MLATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers,
+                                target_layer_num=layers)
+
+
+def storage_config(extra: dict[str, Any], model: str = "org/llama", tp: tuple[int, int] = (0, 1),
+                   mla: bool = False, page_first: bool = True) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(tp_rank=tp[0], tp_size=tp[1], pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=True,
+                                is_page_first_layout=page_first, model_name=model, extra_config=extra)
+
+
+def create(extra: dict[str, Any], pool: Any, **kw: Any) -> Any:
+    """The backend as SGLang builds it: the factory's dynamic loader, then the host pool registered."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    cfg = {"backend_name": "hicache", "module_path": "hicache.integrations.sglang", "class_name": "HiCacheStore",
+           "interface_v1": 1, **extra}
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(cfg, mla=hasattr(pool, "kv_lora_rank"),
+                                                                             **kw), pool)
+    backend.register_mem_pool_host(pool)
+    return backend
