@@ -95,6 +95,7 @@ OFF_DASHBOARD = {
     "hicache_loadback_tokens": "the L2 -> L1 loads panel shows them in bytes",
     "hicache_pinned_pages": "pins are an operator's own doing: hicache status lists them",
     "hicache_storage_up": "an alert (HicacheL3Down) rather than a panel",
+    "hicache_storage_skipped_writes": "an engine's counter (hicache.integrations), never a node's",
     "hicache_tenant_pages": "per tenant: docs/metrics.md's tenant-share query",
     "hicache_tenant_share": "per tenant: docs/metrics.md's tenant-share query",
     "hicache_transfer_submit_seconds": "docs/transfers.md's host-bound question",

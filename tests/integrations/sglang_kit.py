@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import sys
 import types
@@ -27,7 +28,21 @@ class _Interp(enum.Enum):
     LANCZOS = "lanczos"
 
 
+class _StubDistribution(importlib.metadata.Distribution):
+    """torchvision's metadata as transformers reads it (it checks the version of what it can import)."""
+
+    def read_text(self, filename: str) -> str | None:
+        return "Metadata-Version: 2.1\nName: torchvision\nVersion: 0.29.1\n" if filename == "METADATA" else None
+
+    def locate_file(self, path: Any) -> Any:
+        return None
+
+
 class _TorchvisionStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_distributions(self, context: Any = None) -> list[importlib.metadata.Distribution]:
+        name = getattr(context, "name", None)
+        return [_StubDistribution()] if name in (None, "torchvision") and name is not None else []
+
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if name == "torchvision" or name.startswith("torchvision."):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
