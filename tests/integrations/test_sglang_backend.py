@@ -3,7 +3,6 @@ factory's dynamic loader, its storage config, its CPU host pools in every memory
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +12,15 @@ from typing import Any
 import pytest
 import torch
 
-from integrations.sglang_kit import create, load_sglang, mha_pool, mla_pool, sglang_available, storage_config
+from integrations.sglang_kit import (
+    create,
+    load_sglang,
+    mha_pool,
+    mla_pool,
+    sglang_available,
+    sglang_keys,
+    storage_config,
+)
 
 if not sglang_available():  # (scripts/engine_env.sh installs it; the main test run does not)
     pytest.skip("sglang is not installed (scripts/engine_env.sh)", allow_module_level=True)
@@ -27,15 +34,6 @@ from tcpproxy import TcpProxy  # noqa: E402
 LAYOUTS = ["page_first", "page_first_direct", "layer_first"]
 POOLS = {"mha": mha_pool, "mla": mla_pool}
 needs_redis = pytest.mark.skipif(redis_server_binary() is None, reason="redis-server is not installed")
-
-
-def sglang_keys(tokens: list[int], page: int = 4) -> list[str]:
-    """SGLang's page keys: sha256 over the previous key's digest and the page's tokens (uint32 LE), hex."""
-    out, prev = [], b""
-    for i in range(0, len(tokens) - page + 1, page):
-        prev = hashlib.sha256(prev + torch.tensor(tokens[i:i + page], dtype=torch.int32).numpy().tobytes()).digest()
-        out.append(prev.hex())
-    return out
 
 
 def fill(pool: Any, seed: int) -> None:
@@ -244,3 +242,51 @@ def test_sglang_calls_the_backend_as_it_expects() -> None:
     pool = mha_pool("layer_first")
     assert tuple(pool.kv_buffer.shape) == (2, 3, pool.size, 2, 8)
     assert len(pool.get_page_buffer_meta(torch.arange(4))[0]) == 2 * 3
+
+
+_WRITER = """
+import json, sys
+sys.path[:0] = sys.argv[1].split(":")
+from integrations.sglang_kit import create, load_sglang, mha_pool, sglang_keys
+load_sglang()
+import torch
+from test_sglang_backend import fill, tokens_of
+pool = mha_pool(sys.argv[2])
+fill(pool, 11)
+b = create(json.loads(sys.argv[3]), pool)
+ok = b.batch_set_v1(sglang_keys(list(range(5 * 4))), tokens_of(5))
+b.close()
+sys.exit(0 if ok == [True] * 5 else 3)
+"""
+
+
+@pytest.fixture(params=["file", pytest.param("cluster", marks=[pytest.mark.redis, needs_redis])])
+def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    if request.param == "file":
+        yield {"url": f"file://{tmp_path / 'shared'}"}
+        return
+    from hicache.storage.redis_local import LocalRedisCluster
+
+    with LocalRedisCluster(3) as cluster:
+        yield {"url": cluster.url}
+
+
+def test_a_second_sglang_process_hits_what_the_first_wrote(shared_store: dict[str, Any], backends: Any) -> None:
+    """Two SGLang processes of one model, one store (a file store; a Redis Cluster): the second reads, byte
+    exact, what the first wrote."""
+    import json
+    import subprocess
+    import sys
+
+    layout = "page_first" if shared_store["url"].startswith("file:") else "layer_first"
+    here = Path(__file__).resolve().parent  # the other process imports this file's helpers from here
+    proc = subprocess.run([sys.executable, "-c", _WRITER, f"{here.parent}:{here}", layout, json.dumps(shared_store)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    mine, theirs = mha_pool(layout), mha_pool(layout)
+    fill(theirs, 11)  # what the other process's pool held
+    b = backends(shared_store, mine)
+    keys = sglang_keys(list(range(5 * 4)))
+    assert b.batch_exists(keys) == 5
+    assert b.batch_get_v1(keys, tokens_of(5, start=3)) == [True] * 5
+    assert page_bytes(mine, tokens_of(5, start=3)) == page_bytes(theirs, tokens_of(5))
