@@ -179,7 +179,7 @@ def values_schema() -> Schema:
                     "if": {"properties": {"enabled": {"const": True}}, "required": ["enabled"]},
                     "then": {"properties": {"secretName": string(minLength=1)}}},
             "node": obj({
-                "kind": enum(["daemonset", "statefulset"]), "replicas": integer(1), "port": PORT,
+                "enabled": BOOL, "kind": enum(["daemonset", "statefulset"]), "replicas": integer(1), "port": PORT,
                 "gpu": obj({"enabled": BOOL, "count": integer(1), "resourceName": string(minLength=1)},
                            required=("enabled", "count", "resourceName")),
                 "nodeSelector": LABELS, "tolerations": ANY_LIST, "affinity": ANY_OBJECT,
@@ -194,8 +194,8 @@ def values_schema() -> Schema:
                 "startupProbe": PROBE, "livenessProbe": PROBE, "readinessProbe": PROBE,
                 "pdb": obj({"enabled": BOOL, "maxUnavailable": BUDGET}, required=("maxUnavailable",)),
                 "extraEnv": ANY_LIST, "extraVolumes": ANY_LIST, "extraVolumeMounts": ANY_LIST},
-                required=("kind", "replicas", "port", "gpu", "shm", "resources", "service", "pdb", "startupProbe",
-                          "livenessProbe", "readinessProbe")),
+                required=("enabled", "kind", "replicas", "port", "gpu", "shm", "resources", "service", "pdb",
+                          "startupProbe", "livenessProbe", "readinessProbe")),
             "router": obj({
                 "enabled": BOOL, "replicas": integer(0), "port": PORT, "config": router_config_schema(),
                 "nodes": {"type": "array", "items": string(pattern=NODE_PATTERN)},
@@ -208,6 +208,10 @@ def values_schema() -> Schema:
                 "pdb": obj({"enabled": BOOL, "minAvailable": BUDGET}, required=("minAvailable",)),
                 "extraEnv": ANY_LIST},
                 required=("port", "extraArgs", "service", "metrics", "probes", "pdb")),
+            # SGLang / vLLM servers the router follows (their names, addresses and endpoints are checked by
+            # the templates, with one-line messages)
+            "engines": {"type": "array", "items": obj({"name": string(), "address": string(), "kvEvents": string(),
+                                                       "kvEventsReplay": string()})},
             "metrics": obj({
                 "enabled": BOOL, "port": PORT, "annotations": BOOL,
                 "serviceMonitor": obj({"enabled": BOOL, "interval": DURATION, "scrapeTimeout": DURATION,

@@ -281,8 +281,57 @@ gets up to as long again, then the writeback threads up to 10 s each to finish t
 {{- ternary $serve.shutdown_grace_s 30 (hasKey $serve "shutdown_grace_s") }}
 {{- end }}
 
+{{/* Engines -------------------------------------------------------------------------------------- */}}
+
+{{/* A port in 1-65535, as a regular expression (deploy/helm/values_schema.py's NODE_PATTERN). */}}
+{{- define "hicache.portPattern" -}}([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]){{- end }}
+
+{{/* Why a ZeroMQ endpoint is not one the router can connect to ("": it is; hicache.router.config.endpoint_problem). */}}
+{{- define "hicache.endpointProblem" -}}
+{{- if hasPrefix "tcp://*" . }}'*' binds on the engine's side; connect to the engine's host (tcp://HOST:PORT)
+{{- else if not (regexMatch (printf `^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):%s|ipc://.+)$` (include "hicache.portPattern" .)) .) -}}
+not a ZeroMQ endpoint to connect to (tcp://HOST:PORT, port 1-65535, or ipc://PATH)
+{{- end }}
+{{- end }}
+
+{{/* The endpoint an engine's publisher binds for the one the router connects to: tcp://*:PORT (ipc:// as is). */}}
+{{- define "hicache.engines.bind" -}}
+{{- ternary (printf "tcp://*%s" (regexFind ":[0-9]+$" .)) . (hasPrefix "tcp://" .) }}
+{{- end }}
+
+{{/* The L3 URL for the engines' storage JSON (NOTES.txt): the bundled Redis by its Service names, the
+password as PASSWORD; STORAGE_URL for an external store (its URL is in the Secret). */}}
+{{- define "hicache.engines.storageUrl" -}}
+{{- if .Values.redis.enabled }}
+{{- $scheme := ternary "redis+cluster" "redis" .Values.redis.cluster.enabled }}
+{{- printf "%s://%s%s" $scheme (ternary ":PASSWORD@" "" .Values.redis.auth.enabled) (include "hicache.redis.hosts" .) }}
+{{- else }}STORAGE_URL{{ end }}
+{{- end }}
+
 {{/* Checks across values that the schema cannot express; fails the render with a message naming the values. */}}
 {{- define "hicache.validate" -}}
+{{- if and (not .Values.node.enabled) (not .Values.engines) (not (and .Values.router.enabled .Values.router.nodes)) }}
+{{- fail "node.enabled=false deploys no hicache node: list the SGLang / vLLM servers that share the L3 store in engines (name, address, kvEvents; docs/engines-cluster.md), or the nodes the router routes to in router.nodes" }}
+{{- end }}
+{{- range $i, $e := .Values.engines }}
+{{- $name := $e.name | default "" }}
+{{- if not (regexMatch `^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$` $name) }}
+{{- fail (printf "engines[%d]: name %q: required, the router's name for the engine: letters, digits, '_', '.', '-' (63 at most, starting with a letter or digit)" $i $name) }}
+{{- end }}
+{{- if not (regexMatch (printf `^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):%s$` (include "hicache.portPattern" $)) ($e.address | default "")) }}
+{{- fail (printf "engines[%d] (%s): address %q: expected HOST:PORT (port 1-65535) of the engine's HTTP server: routed requests go there, and its metrics page gives the router its load" $i $name ($e.address | default "")) }}
+{{- end }}
+{{- if not $e.kvEvents }}
+{{- fail (printf "engines[%d] (%s): kvEvents: required, tcp://HOST:PORT of the engine's KV-event publisher (the endpoint of its --kv-events-config)" $i $name) }}
+{{- end }}
+{{- range $field := list "kvEvents" "kvEventsReplay" }}
+{{- $endpoint := index $e $field | default "" }}
+{{- $why := ternary (include "hicache.endpointProblem" $endpoint) "" (ne $endpoint "") }}
+{{- if $why }}
+{{- fail (printf "engines[%d] (%s): %s %q: %s" $i $name $field $endpoint $why) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and .Values.redis.enabled (or .Values.externalStorage.url .Values.externalStorage.existingSecret) }}
 {{- fail "externalStorage is set while redis.enabled=true: pick one L3 store (set redis.enabled=false to use externalStorage)" }}
 {{- end }}
@@ -327,19 +376,25 @@ gets up to as long again, then the writeback threads up to 10 s each to finish t
 {{- if and (eq (toString ($rc.index | default "events")) "approximate") (lt (int $approxTokens) (int ($layout.page_size | default 64))) }}
 {{- fail (printf "router.config.approx_capacity_tokens (%v) holds no page of config.layout.page_size (%v) tokens: the approximate index predicts whole pages" $approxTokens ($layout.page_size | default 64)) }}
 {{- end }}
+{{- if and .Values.engines (eq (toString ($rc.index | default "events")) "approximate") }}
+{{- fail "engines: the router follows their KV events, and router.config.index=approximate follows none: use router.config.index=events" }}
+{{- end }}
 {{- /* hicache.router.config.check_nodes: each node once, by name and by address */}}
 {{- $names := dict }}
 {{- $addresses := dict }}
-{{- range .Values.router.nodes }}
+{{- $nodes := .Values.router.nodes | default list }}
+{{- range .Values.engines }}{{ $nodes = append $nodes (printf "%s=%s" .name .address) }}{{ end }}
+{{- range $nodes }}
 {{- $address := regexReplaceAll "^[^=]*=" . "" }}
 {{- $name := ternary (regexReplaceAll "=.*$" . "") $address (contains "=" .) }}
 {{- if or (hasKey $names $name) (hasKey $addresses (lower $address)) }}
-{{- fail (printf "router.nodes: %s names a node already listed (each name and each address once: the router would count that node's pages and requests twice)" .) }}
+{{- fail (printf "router.nodes / engines: %s names a node already listed (each name and each address once: the router would count that node's pages and requests twice)" .) }}
 {{- end }}
 {{- $_ := set $names $name true }}
 {{- $_ := set $addresses (lower $address) true }}
 {{- end }}
 {{- end }}
+{{- if .Values.node.enabled }}
 {{- $stop := int (include "hicache.node.stopSeconds" .) }}
 {{- if lt (int .Values.node.terminationGracePeriodSeconds) $stop }}
 {{- fail (printf "node.terminationGracePeriodSeconds (%v) must be at least %d: on SIGTERM the node gives in-flight RPCs up to config.serve.shutdown_grace_s (%v s), then the L3 flush up to as long again, then its writeback threads up to 20 s; Kubernetes kills it after terminationGracePeriodSeconds, losing the writebacks not flushed" .Values.node.terminationGracePeriodSeconds $stop (include "hicache.node.grace" .)) }}
@@ -356,6 +411,7 @@ gets up to as long again, then the writeback threads up to 10 s each to finish t
 {{- $l1 := (include "hicache.poolBytes" . | fromJson).l1Bytes }}
 {{- if lt (include "hicache.quantityBytes" .Values.node.shm.sizeLimit | float64) (float64 $l1) }}
 {{- fail (printf "node.shm.sizeLimit (%s) cannot hold the shared L1 pool (%s, config.cache.l1_tokens=%d): on a CPU node it is a /dev/shm segment, and the node would die of SIGBUS filling it; leave node.shm.sizeLimit empty (the pool + 1 GiB) or make it at least %.0fMi" .Values.node.shm.sizeLimit (include "hicache.gib" $l1) (int64 ((.Values.config.cache | default dict).l1_tokens | default 65536)) (ceil (divf $l1 1048576.0))) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -4,18 +4,21 @@ list as repeated `--node=NAME=host:port` flags (they replace router.yaml's route
   * router.nodes given: exactly those;
   * node.kind=statefulset: every replica by its stable DNS name;
   * node.kind=daemonset: the node pods behind the headless Service, resolved when the router starts
-    (it waits up to 5 minutes for the first one); restart the router after adding GPU nodes.
+    (it waits up to 5 minutes for the first one); restart the router after adding GPU nodes;
+  * node.enabled=false: no hicache node;
+and then every entry of engines (`--node=NAME=ADDRESS`; its KV events go into router.yaml).
 */}}
 {{- define "hicache.router.nodeFlags" -}}
 {{- $flags := list }}
 {{- if .Values.router.nodes }}
 {{- range .Values.router.nodes }}{{ $flags = append $flags (printf "--node=%s" .) }}{{ end }}
-{{- else if eq .Values.node.kind "statefulset" }}
+{{- else if and .Values.node.enabled (eq .Values.node.kind "statefulset") }}
 {{- range $i := until (int .Values.node.replicas) }}
 {{- $pod := printf "%s-%d" (include "hicache.node.name" $) $i }}
 {{- $flags = append $flags (printf "--node=%s=%s.%s.%s.svc:%d" $pod $pod (include "hicache.node.headless" $) $.Release.Namespace (int $.Values.node.port)) }}
 {{- end }}
 {{- end }}
+{{- range .Values.engines }}{{ $flags = append $flags (printf "--node=%s=%s" .name .address) }}{{ end }}
 {{- toJson $flags }}
 {{- end }}
 
@@ -29,7 +32,7 @@ list as repeated `--node=NAME=host:port` flags (they replace router.yaml's route
 {{/* Container command: plain `hicache ARGS`, or, for a DaemonSet without router.nodes, a small launcher
 that resolves the headless Service into --node flags first. */}}
 {{- define "hicache.router.discover" -}}
-{{- and (not .Values.router.nodes) (eq .Values.node.kind "daemonset") }}
+{{- and .Values.node.enabled (not .Values.router.nodes) (eq .Values.node.kind "daemonset") }}
 {{- end }}
 
 {{- define "hicache.router.container" -}}
@@ -75,6 +78,16 @@ args:
 {{- $_ := set $r "host" "0.0.0.0" }}
 {{- $_ := set $r "port" (int .Values.router.port) }}
 {{- $_ := set $r "metrics_port" (ternary (int .Values.router.metrics.port) 0 .Values.metrics.enabled) }}
+{{- if .Values.engines }}
+{{- $events := $r.kv_events | default dict }}
+{{- $replay := $r.kv_events_replay | default dict }}
+{{- range .Values.engines }}
+{{- $_ := set $events (.name | default "") .kvEvents }}
+{{- if .kvEventsReplay }}{{ $_ := set $replay (.name | default "") .kvEventsReplay }}{{ end }}
+{{- end }}
+{{- $_ := set $r "kv_events" $events }}
+{{- $_ := set $r "kv_events_replay" $replay }}
+{{- end }}
 {{- if .Values.tls.enabled }}
 {{- $_ := set $r "node_tls_ca" "/etc/hicache/tls/ca.crt" }}
 {{- if .Values.tls.mtls }}
