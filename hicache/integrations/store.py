@@ -34,7 +34,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from prometheus_client import CollectorRegistry
 
@@ -138,6 +138,32 @@ class EnginePages:
                          cfg.tenant, fmt)
 
 
+class PlacedPages(Sequence[list[memoryview]]):
+    """Pages of one engine buffer whose pieces lie at ``offsets[i][j]`` with sizes ``sizes[j]`` (the same
+    for every page): page ``i``'s byte views are made when a backend's I/O thread asks for them, so
+    placing a batch costs nothing up front. The caller checked that every piece lies inside ``mem``."""
+
+    def __init__(self, mem: memoryview, offsets: list[list[int]], sizes: list[int]) -> None:
+        self.mem = mem
+        self.offsets = offsets
+        self.sizes = sizes
+        self.page_bytes = sum(sizes)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @overload
+    def __getitem__(self, i: int) -> list[memoryview]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[list[memoryview]]: ...
+
+    def __getitem__(self, i: int | slice) -> list[memoryview] | list[list[memoryview]]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        mem = self.mem
+        return [mem[o:o + s] for o, s in zip(self.offsets[i], self.sizes, strict=True)]
+
+
 class EngineBuffers(PageBuffers):
     """Engine pages as :class:`PageBuffers`: page ``i`` of a batch is ``pages[i]``, a list of writable byte
     views (``memoryview`` of format ``B``) into the engine's memory whose lengths add up to the page."""
@@ -147,8 +173,12 @@ class EngineBuffers(PageBuffers):
     def __init__(self, pages: Sequence[Sequence[memoryview]], page_bytes: int) -> None:
         self.page_bytes = page_bytes
         self._pages = pages
+        if isinstance(pages, PlacedPages):
+            if pages.page_bytes != page_bytes:
+                raise ValueError(f"pages: their pieces hold {pages.page_bytes} bytes, a page is {page_bytes}")
+            return
         for i, p in enumerate(pages):
-            n = sum(len(v) for v in p)
+            n = sum(map(len, p))
             if n != page_bytes:
                 raise ValueError(f"page {i}: its pieces hold {n} bytes, a page is {page_bytes}")
 

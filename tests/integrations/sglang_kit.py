@@ -120,9 +120,9 @@ def ptrs(tensors: Any, device: str) -> Any:
 
 
 def mha_pool(layout: str, layers: int = 3, heads: int = 2, dim: int = 8, page: int = 4, tokens: int = 64,
-             device: str = "cpu", pin: bool = False) -> Any:
+             device: str = "cpu", pin: bool = False, host_tokens: int | None = None) -> Any:
     """An ``MHATokenToKVPoolHost`` (bf16) over a device pool of ``tokens`` tokens on ``device``, 2x as many on
-    host (pinned with ``pin``)."""
+    host (or ``host_tokens``; pinned with ``pin``)."""
     import torch
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -134,7 +134,8 @@ def mha_pool(layout: str, layers: int = 3, heads: int = 2, dim: int = 8, page: i
     info = MHABufferInfo(buffers=bufs, page_size=page, head_num=heads, head_dim=dim, v_head_dim=dim,
                          dtype=torch.bfloat16, device=torch.device(device))
     return MHATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=pin, device="cpu",
-                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers)
+                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers,
+                                host_token_capacity=host_tokens)
 
 
 def mla_pool(layout: str, layers: int = 3, dim: int = 12, page: int = 4, tokens: int = 64, device: str = "cpu",

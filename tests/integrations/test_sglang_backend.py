@@ -290,3 +290,23 @@ def test_a_second_sglang_process_hits_what_the_first_wrote(shared_store: dict[st
     assert b.batch_exists(keys) == 5
     assert b.batch_get_v1(keys, tokens_of(5, start=3)) == [True] * 5
     assert page_bytes(mine, tokens_of(5, start=3)) == page_bytes(theirs, tokens_of(5))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("attn", ["mha", "mla"])
+def test_pieces_are_where_sglang_says(attn: str, layout: str, tmp_path: Path, backends: Any) -> None:
+    """The backend places page pieces itself (an affine fit of SGLang's metadata, checked at start): the
+    same pointers and sizes as SGLang's ``get_page_buffer_meta`` for any pages, in any order."""
+    pool = POOLS[attn](layout)
+    b = backends({"url": f"file://{tmp_path}"}, pool)
+    assert b.view is not None and b.view.affine is not None, "the fit failed: every batch asks SGLang"
+    idx = torch.cat([torch.arange(p * 4, p * 4 + 4) for p in (9, 1, 30, 2)])
+    ptrs, sizes = pool.get_page_buffer_meta(idx)
+    mine = [v for page in b.view.pages(idx) for v in page]
+    base = pool.kv_buffer.data_ptr()
+    import ctypes
+
+    got = [(ctypes.addressof(ctypes.c_char.from_buffer(v)) - base, len(v)) for v in mine]
+    assert got == [(p - base, s) for p, s in zip(ptrs, sizes, strict=True)]
+    with pytest.raises(ValueError, match="outside the pool's buffer"):
+        b.view.pages(torch.arange(10_000 * 4, 10_001 * 4))
