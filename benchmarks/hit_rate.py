@@ -1,14 +1,18 @@
-"""Hit rate of online eviction policies against the offline optimum: LRU, the default policy and Belady
-side by side on the three workloads (multi-query RAG, few-shot, multi-turn chat) and the Mooncake trace,
-at L1 capacities of 10%, 30% and 100% of each trace's working set (its distinct pages).
+"""Hit rate of online eviction policies against the offline optimum: LRU, LFU, ARC, the default policy and
+Belady side by side on the three workloads (multi-query RAG, few-shot, multi-turn chat) and the Mooncake
+trace, at L1 capacities of 5%, 10%, 30% and 50% of each trace's working set (its distinct pages).
 
-Each cell replays the trace through an in-process HiCache (L1 only, tiny KV layout, CPU); the optimum is
-Belady on the prefix tree (``hicache.bench.optimal``) at the same capacity. LRU is the in-run baseline:
-the table prints default/optimum (the target: >= 90%) and default/LRU. Two diagnostic columns show what
+Each cell replays the trace on an L1-only radix tree as the in-process cache serves it
+(``hicache.bench.policy_table.tree_hit_rate``); the optimum is Belady on the prefix tree
+(``hicache.bench.optimal``) at the same capacity. LRU is the in-run baseline: the table prints the
+default's margin over LRU in points (the floor: >= -0.3) and default/optimum. The former target, 90% of
+the optimum, is retired (``benchmarks/online_bounds.py`` shows no online policy reaches it on the Mooncake
+trace). These workloads are the ones the former default was tuned on; the held-out evaluation is
+``benchmarks/policy_eval.py``. Two diagnostic columns show what
 recency could do with a piece of the future that no online policy has (page-level simulations):
 ``admit-oracle`` is LRU that admits only pages some later prompt uses; ``dead-first`` is LRU that first
 evicts pages no later prompt uses (finished conversations, documents never asked about again). Where
-those stay under 90% of the optimum, the gap is Belady's knowledge of the future, not the policy.
+those stay far under the optimum, the gap is Belady's knowledge of the future, not the policy.
 
     python benchmarks/hit_rate.py [--requests 600] [--mooncake PATH] [--json out/hit_rate.json]
 
@@ -26,7 +30,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from hicache.bench.optimal import INF, PagedTrace, _next_uses, page_trace
-from hicache.bench.policy_table import DEFAULT_FRACTIONS, TARGET_RATIO, policy_table
+from hicache.bench.policy_table import BASELINES, EVAL_FRACTIONS, FLOOR_POINTS, policy_table
 from hicache.bench.traces import MOONCAKE_BLOCK, load_trace
 from hicache.bench.workloads import WorkloadSpec, generate
 from hicache.config import CacheConfig
@@ -90,18 +94,19 @@ def main() -> int:
     ap.add_argument("--json", default="out/hit_rate.json")
     args = ap.parse_args()
     default = CacheConfig.eviction_policy
-    policies = list(dict.fromkeys(["lru", default]))
+    policies = list(dict.fromkeys([*BASELINES, default]))
     traces = [(w, generate(WorkloadSpec(w, args.requests, args.seed)), 64) for w in ("rag", "fewshot", "multiturn")]
     if args.mooncake and Path(args.mooncake).exists():
         traces.append(("mooncake", load_trace(args.mooncake), MOONCAKE_BLOCK))
     t0 = time.perf_counter()
-    rows = policy_table(traces, policies, DEFAULT_FRACTIONS)
+    rows = policy_table(traces, policies, EVAL_FRACTIONS, fast=True)
     wall = time.perf_counter() - t0
     paged = {name: page_trace(reqs, ps) for name, reqs, ps in traces}
-    print(f"hit rate (prompt tokens), L1 only, page 64 (Mooncake: 512); {args.requests} requests per workload, "
+    print(f"hit rate (prompt tokens, %), L1 only, page 64 (Mooncake: 512); {args.requests} requests per workload, "
           f"seed {args.seed}; default policy: {default}; {platform.processor() or platform.machine()}, {wall:.0f} s")
-    head = (f"{'trace':10s} {'cap':>5s} {'lru':>7s} {default:>9s} {'optimum':>8s} {'dflt/opt':>9s} "
-            f"{'lru/opt':>8s} {'dflt/lru':>9s} {'admit-oracle/opt':>17s} {'dead-first/opt':>15s} {'infinite':>9s}")
+    head = (f"{'trace':10s} {'cap':>4s} " + " ".join(f"{p:>9s}" for p in policies)
+            + f" {'optimum':>8s} {'margin':>7s} {'dflt/opt':>9s} {'admit-oracle/opt':>17s} {'dead-first/opt':>15s} "
+            f"{'infinite':>9s}")
     print(head)
     out = []
     ok = True
@@ -109,20 +114,18 @@ def main() -> int:
         pt = paged[r.trace]
         cap = max(1, int(r.fraction * pt.num_pages))
         oracle, dead = lru_oracle_admission(pt, cap), lru_dead_first(pt, cap)
-        d, lru = r.rates[default], r.rates["lru"]
-        met = r.ratio(default) >= TARGET_RATIO - 1e-9
+        met = r.margin(default) >= -FLOOR_POINTS - 1e-9
         ok &= met
-        print(f"{r.trace:10s} {r.fraction:5.0%} {lru:7.1%} {d:9.1%} {r.optimal:8.1%} {r.ratio(default):9.0%} "
-              f"{r.ratio('lru'):8.0%} {d / lru if lru else 1.0:9.2f} {oracle / r.optimal if r.optimal else 1:17.0%} "
-              f"{dead / r.optimal if r.optimal else 1:15.0%} "
-              f"{r.infinite:9.1%}{'' if met else '  < target'}")
-        out.append(vars(r) | {"default": default, "default_over_optimal": r.ratio(default),
-                              "lru_over_optimal": r.ratio("lru"), "oracle_admission_lru": oracle,
-                              "oracle_dead_first_lru": dead, "target_met": met})
-    print(f"target ({default} >= {TARGET_RATIO:.0%} of optimum everywhere): {'met' if ok else 'not met'}")
+        print(f"{r.trace:10s} {r.fraction:4.0%} " + " ".join(f"{100 * r.rates[p]:9.1f}" for p in policies)
+              + f" {100 * r.optimal:8.1f} {r.margin(default):+7.2f} {r.ratio(default):9.0%} "
+              f"{oracle / r.optimal if r.optimal else 1:17.0%} {dead / r.optimal if r.optimal else 1:15.0%} "
+              f"{100 * r.infinite:9.1f}{'' if met else '  < floor'}")
+        out.append(vars(r) | {"default": default, "margin": r.margin(default), "default_over_optimal": r.ratio(default),
+                              "oracle_admission_lru": oracle, "oracle_dead_first_lru": dead, "floor_met": met})
+    print(f"floor ({default} >= lru - {FLOOR_POINTS} points everywhere): {'met' if ok else 'not met'}")
     p = Path(args.json)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps({"rows": out, "default_policy": default, "wall_s": wall, "target_met": ok}, indent=2))
+    p.write_text(json.dumps({"rows": out, "default_policy": default, "wall_s": wall, "floor_met": ok}, indent=2))
     print(f"wrote {p}")
     return 0
 

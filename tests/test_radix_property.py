@@ -52,7 +52,7 @@ def pages_of(ns: bytes, end: Prefix) -> list[Page]:
 
 class TreeVsModel(RuleBasedStateMachine):
     @initialize(
-        policy=st.sampled_from(["lru", "lfu", "priority", "tail_lru", "reuse_lru", "arc", "lru2"]),
+        policy=st.sampled_from(["lru", "lfu", "priority", "hedge_lru", "reuse_lru", "arc"]),
         seed=st.lists(
             st.tuples(
                 st.sampled_from(NAMESPACES),

@@ -21,6 +21,13 @@ line with both ``hash_ids`` and the own format's ``tokens`` / ``prompt`` / ``tex
 to read.
 
 Errors are :class:`BenchInputError` naming the file and line.
+
+Generated traces (:func:`generated_trace`) are Mooncake-shaped -- every request a chain of block ids, the
+blocks it shares with earlier requests first -- drawn from a law (:class:`TraceLaw`) whose parameters come
+from a seed within one of :data:`TRACE_KINDS`: multi-turn chat (short or long think times), agents
+appending tool outputs, RAG over documents of skewed or flat popularity, one-off prompts beside RAG,
+RAG whose popular documents drift, and a mix. They hold no text, only the shape of the reuse; the policy
+evaluation (``benchmarks/policy_eval.py``) replays them with blocks of ``GENERATED_BLOCK`` tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +185,141 @@ def load_trace(path: str | Path, fmt: str = "auto", tokenizer: Tokenizer | None 
 
 def is_mooncake(requests: list[TraceRequest]) -> bool:
     return bool(requests) and requests[0].kind == "mooncake"
+
+
+# ---------------------------------------------------------------------------------------- generated traces
+TRACE_KINDS = ("chat", "chat-think", "agent", "rag", "rag-flat", "oneoff", "drift", "mixed")
+GENERATED_BLOCK = 16  # tokens per block of a generated trace (hit rates depend on blocks, not on tokens)
+
+
+@dataclass(frozen=True)
+class TraceLaw:
+    """How a generated trace's sessions arrive and what they send. Sizes are in blocks; times in request
+    slots (the trace's requests arrive one per slot on average)."""
+
+    kind: str
+    mix: tuple[float, float, float, float] = (1.0, 0.0, 0.0, 0.0)  # session shares: chat, rag, agent, one-off
+    n_sys: int = 4  # system prompts (the shared prefix every session starts with; one-offs half the time)
+    sys_blocks: tuple[int, int] = (1, 3)  # a system prompt's length, uniform in the range
+    sys_skew: float = 1.0  # Zipf exponent of the system prompts' popularity
+    turns: float = 5.0  # chat: mean turns of a conversation that is not a single turn
+    single: float = 0.3  # chat: share of one-turn conversations
+    msg_blocks: tuple[int, int] = (1, 4)  # chat: blocks a turn adds (message and the previous answer)
+    think: float = 50.0  # chat: mean slots between two turns of a conversation (exponential)
+    n_docs: int = 200  # rag: document sets
+    doc_blocks: tuple[int, int] = (4, 16)
+    doc_skew: float = 1.0  # rag: Zipf exponent of the documents' popularity
+    visit_q: float = 2.0  # rag: mean questions a visit asks in a row (geometric)
+    steps: float = 10.0  # agent: mean steps (geometric); each appends a tool output
+    tool_blocks: tuple[int, int] = (2, 8)
+    step_think: float = 5.0  # agent steps and a visit's questions: mean slots between two requests
+    oneoff_blocks: tuple[int, int] = (2, 20)
+    drift: float = 0.0  # rag: the popularity ranking of documents moves this many places per 1000 slots
+
+
+def draw_law(kind: str, seed: int) -> TraceLaw:
+    """The law of trace ``kind`` for ``seed``: its parameters drawn from the ranges of that kind."""
+    if kind not in TRACE_KINDS:
+        raise BenchInputError(f"unknown generated trace kind {kind!r}; known: {', '.join(TRACE_KINDS)}")
+    rng = np.random.default_rng([seed, 104729, TRACE_KINDS.index(kind)])
+
+    def u(a: float, b: float) -> float:
+        return float(rng.uniform(a, b))
+
+    def lu(a: float, b: float) -> float:
+        return float(math.exp(rng.uniform(math.log(a), math.log(b))))
+
+    def ri(a: int, b: int) -> int:
+        return int(rng.integers(a, b + 1))
+
+    sys_ = {"n_sys": ri(1, 20), "sys_blocks": (1, ri(1, 12)), "sys_skew": u(0.5, 1.5)}
+    chat = {"turns": u(2, 10), "single": u(0.1, 0.7), "msg_blocks": (1, ri(2, 12))}
+    rag = {"n_docs": int(lu(50, 2000)), "doc_skew": u(0.5, 1.4), "visit_q": u(1, 5), "doc_blocks": (2, ri(4, 20))}
+    if kind in ("chat", "chat-think"):
+        think = lu(5, 100) if kind == "chat" else lu(200, 2000)
+        return TraceLaw(kind, think=think, **sys_, **chat)  # type: ignore[arg-type]
+    if kind == "agent":
+        return TraceLaw(kind, mix=(0, 0, 1, 0), steps=u(4, 20), tool_blocks=(1, ri(2, 12)), step_think=lu(2, 100),
+                        **sys_, msg_blocks=(1, ri(2, 6)))  # type: ignore[arg-type]
+    if kind in ("rag", "rag-flat"):
+        if kind == "rag-flat":
+            rag.update(n_docs=int(lu(500, 4000)), doc_skew=u(0.3, 0.8))
+        return TraceLaw(kind, mix=(0, 1, 0, 0), step_think=lu(1, 50), **sys_, **rag)  # type: ignore[arg-type]
+    if kind == "oneoff":
+        o = u(0.3, 0.8)
+        return TraceLaw(kind, mix=(0, 1 - o, 0, o), oneoff_blocks=(1, ri(4, 30)), **sys_, **rag)  # type: ignore[arg-type]
+    if kind == "drift":
+        return TraceLaw(kind, mix=(u(0, 0.5), 1, 0, 0), drift=u(20, 300), think=lu(10, 500),
+                        **sys_, **rag, **chat)  # type: ignore[arg-type]
+    w = rng.dirichlet(np.ones(4))
+    return TraceLaw(kind, mix=(float(w[0]), float(w[1]), float(w[2]), float(w[3])), think=lu(10, 1000),
+                    steps=u(4, 20), tool_blocks=(1, ri(2, 12)), step_think=lu(2, 100),
+                    **sys_, **chat, **rag)  # type: ignore[arg-type]
+
+
+def _zipf(n: int, a: float) -> np.ndarray:
+    w = 1.0 / np.arange(1, n + 1) ** a
+    return np.asarray(w / w.sum())
+
+
+def law_blocks(law: TraceLaw, requests: int, seed: int) -> list[tuple[float, list[int]]]:
+    """``requests`` requests of ``law`` as (arrival slot, block ids), in arrival order (deterministic by seed)."""
+    rng = np.random.default_rng([seed, 7919])
+    next_id = 0
+
+    def fresh(k: int) -> list[int]:
+        nonlocal next_id
+        next_id += k
+        return list(range(next_id - k, next_id))
+
+    def size(r: tuple[int, int]) -> int:
+        return int(rng.integers(r[0], r[1] + 1))
+
+    systems = [fresh(size(law.sys_blocks)) for _ in range(law.n_sys)]
+    sys_p = _zipf(law.n_sys, law.sys_skew)
+    docs = [fresh(size(law.doc_blocks)) for _ in range(law.n_docs)]
+    doc_p = _zipf(law.n_docs, law.doc_skew)
+    mix = np.asarray(law.mix, dtype=float)
+    mix /= mix.sum()
+    per_session = np.array([1 + (1 - law.single) * (law.turns - 1), law.visit_q, law.steps, 1.0])
+    rate = 1.0 / float((mix * per_session).sum())  # sessions per slot
+    events: list[tuple[float, int, list[int]]] = []
+    t = 0.0
+    while t < requests:
+        t += float(rng.exponential(1.0 / rate))
+        kind = int(rng.choice(4, p=mix))
+        head = systems[int(rng.choice(law.n_sys, p=sys_p))]
+        when = t
+        if kind == 0:  # a conversation: each turn extends the previous prompt
+            n = 1 if rng.random() < law.single else 1 + int(rng.geometric(1.0 / max(law.turns - 1, 1.0)))
+            hist = list(head)
+            for _ in range(n):
+                hist = hist + fresh(size(law.msg_blocks))
+                events.append((when, len(events), hist))
+                when += float(rng.exponential(law.think))
+        elif kind == 1:  # a RAG visit: questions about one document set
+            d = (int(rng.choice(law.n_docs, p=doc_p)) + int(law.drift * t / 1000.0)) % law.n_docs
+            base = head + docs[d]
+            for _ in range(int(rng.geometric(1.0 / law.visit_q))):
+                events.append((when, len(events), base + fresh(1)))
+                when += float(rng.exponential(law.step_think))
+        elif kind == 2:  # an agent: every step appends a tool output
+            hist = list(head) + fresh(size(law.msg_blocks))
+            for _ in range(int(rng.geometric(1.0 / law.steps))):
+                events.append((when, len(events), hist))
+                hist = hist + fresh(size(law.tool_blocks))
+                when += float(rng.exponential(law.step_think))
+        else:  # a one-off prompt, under a system prompt half the time
+            alone = rng.random() < 0.5
+            body = fresh(size(law.oneoff_blocks))
+            events.append((when, len(events), body if alone else head + body))
+    events.sort(key=lambda e: (e[0], e[1]))
+    return [(w, ids) for w, _, ids in events[:requests]]
+
+
+def generated_trace(kind: str, seed: int, requests: int = 2000, block: int = GENERATED_BLOCK) -> list[TraceRequest]:
+    """A generated trace of ``kind`` (law drawn from ``seed``), blocks of ``block`` tokens as in a Mooncake
+    trace (:func:`block_tokens`); no outputs."""
+    law = draw_law(kind, seed)
+    return [TraceRequest(block_tokens(np.asarray(ids, dtype=np.uint64), block), timestamp=w, kind=f"law:{kind}")
+            for w, ids in law_blocks(law, requests, seed)]

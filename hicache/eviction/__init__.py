@@ -10,8 +10,10 @@ binds it to itself and tells it, as they happen, of matches, inserts, splits and
 keep its own per-node state (``TreeNode.meta``) and per-tree state (e.g. what it evicted lately).
 
 Modules: :mod:`~hicache.eviction.base` (the interface and the registry), :mod:`~hicache.eviction.keyed`
-(``lru``, ``lfu``, ``priority``, ``tail_lru``), :mod:`~hicache.eviction.reuse` (``reuse_lru``, the
-default) and :mod:`~hicache.eviction.ghost` (``arc``, ``lru2``). Importing this package registers them all.
+(``lru``, ``lfu``, ``priority``), :mod:`~hicache.eviction.hedge` (``hedge_lru``, the default),
+:mod:`~hicache.eviction.reuse` (``reuse_lru``) and :mod:`~hicache.eviction.ghost` (``arc``). Importing this
+package registers them all. ``tail_lru`` and ``lru2`` left the package (behind LRU on held-out traces and
+never more than a point ahead of ``hedge_lru``); ``benchmarks/policy_eval.py`` still compares them.
 """
 
 from hicache.eviction.base import (
@@ -22,11 +24,12 @@ from hicache.eviction.base import (
     policy_names,
     register_policy,
 )
-from hicache.eviction.ghost import ARC, LRU2
-from hicache.eviction.keyed import ONE_OFF_SAMPLE, ONE_OFF_SHARE, is_one_off_tail, lfu, lru, priority, tail_lru
+from hicache.eviction.ghost import ARC
+from hicache.eviction.hedge import HedgeLRU
+from hicache.eviction.keyed import lfu, lru, priority
 from hicache.eviction.reuse import ReuseLRU
 
 __all__ = [
-    "ARC", "LRU2", "ONE_OFF_SAMPLE", "ONE_OFF_SHARE", "EvictionKey", "EvictionPolicy", "ReuseLRU", "get_policy",
-    "is_one_off_tail", "lfu", "lru", "make_policy", "policy_names", "priority", "register_policy", "tail_lru",
+    "ARC", "EvictionKey", "EvictionPolicy", "HedgeLRU", "ReuseLRU", "get_policy", "lfu", "lru", "make_policy",
+    "policy_names", "priority", "register_policy",
 ]

@@ -1,4 +1,4 @@
-"""Policies with ghost lists of evicted pages: ``arc`` (adaptive recency / frequency) and ``lru2`` (LRU-K, K=2)."""
+"""A policy with ghost lists of evicted pages: ``arc`` (adaptive recency / frequency)."""
 
 from __future__ import annotations
 
@@ -36,11 +36,9 @@ class ARC(EvictionPolicy):
     order. Nodes the policy never saw (none in practice) count as T2.
 
     Why: ARC splits the cache between new content and content that proved itself, and learns the split
-    from its own mistakes, with no tuning. Measured (``benchmarks/hit_rate.py`` workloads, share of the
-    offline optimum at 10% / 30% of the working set, seeds 0 / 1): RAG 92-93% / 96-98%, few-shot
-    100% / 100%, multi-turn 80% / 99% (seed 0) and 63% / 98% (seed 1), Mooncake 52% / 78% -- close to
-    ``reuse_lru`` but not ahead of it (slightly better on RAG at seed 0 and Mooncake at 30%, worse on
-    multi-turn chat and Mooncake at 10%).
+    from its own mistakes, with no tuning. Held out (``benchmarks/policy_eval.py``): 1-2 points ahead
+    of LRU on the Mooncake trace and where one-off prompts flood the cache, up to 2 points behind it on
+    multi-turn chat and RAG with flat popularity, where its frequency list keeps what recency would drop.
 
     Cost: O(1) per key and hook; inserting or removing a leaf is O(its pages) ghost look-ups; the ghosts
     hold at most 2 x ``peak`` page keys.
@@ -97,77 +95,3 @@ class ARC(EvictionPolicy):
         if not m.t2:
             self.t1_pages -= node.n_pages
         remember(self.b2 if m.t2 else self.b1, node.page_keys, None, self.peak)
-
-
-class _Lru2Meta:
-    """``TreeNode.meta`` under :class:`LRU2`: the clock of the node's last two accesses (``prev`` is -1
-    when it had only one)."""
-
-    __slots__ = ("last", "prev")
-
-    def __init__(self, prev: int, last: int) -> None:
-        self.prev = prev
-        self.last = last
-
-
-@register_policy("lru2")
-class LRU2(EvictionPolicy):
-    """LRU-K with K = 2 (O'Neil, O'Neil and Weikum): the node whose second most recent access is oldest
-    goes first.
-
-    Contract. An access of a node is a request that hit it (``match``) or the insert that created it;
-    the insert of a request that already matched the node adds nothing. Nodes with one known access
-    (``prev`` = -1) go before all others, least recently used first; the rest are ordered by the time of
-    their second most recent access, then by the most recent. A split gives both halves the history of
-    the node. The policy remembers, for the page keys of the last ``GHOST_FACTOR`` x (most pages the tree
-    has held) pages that left the tree, the time of their last access; a new leaf holding one of them
-    takes that time as its previous access (so content evicted between two uses is not treated as new).
-
-    Why: a node used twice within a short time is likelier to be used again than one used once, however
-    recently; LRU-2 keeps the former through a burst of one-off content. Measured (``benchmarks/hit_rate.py``
-    workloads, share of the offline optimum at 10% / 30% of the working set, seeds 0 / 1): RAG 93-94% /
-    97-98%, few-shot 100% / 100%, multi-turn 77% / 92% and 66% / 91%, Mooncake 51% / 78% -- it loses on
-    multi-turn chat, where each turn is used once before the next extends it; ``reuse_lru`` stays ahead.
-
-    Cost: O(1) per key and hook; inserting or removing a leaf is O(its pages) ghost look-ups.
-    """
-
-    GHOST_FACTOR = 2.0  # ghost length, in multiples of the most pages the tree has held
-
-    def bind(self, tree: RadixTree) -> None:
-        self.tree = tree
-        self.ghost: OrderedDict[bytes, int] = OrderedDict()
-        self.peak = 1
-
-    def key(self, node: TreeNode) -> Any:
-        m = node.meta
-        if m is None:
-            return (-1, node.last_access)
-        return (m.prev, m.last)
-
-    def on_match(self, node: TreeNode, now: int) -> None:
-        m = node.meta
-        if m is not None and now != m.last:
-            m.prev, m.last = m.last, now
-
-    def on_insert(self, node: TreeNode, now: int, created: bool) -> None:
-        if not created:
-            return
-        prev = -1
-        for pk in node.page_keys:
-            t = self.ghost.pop(pk, None)
-            if t is not None:
-                prev = max(prev, t)
-        node.meta = _Lru2Meta(prev, now)
-        self.peak = peak_pages(self.tree, self.peak)
-
-    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
-        m = lower.meta
-        if m is not None:
-            upper.meta = _Lru2Meta(m.prev, m.last)
-
-    def on_remove(self, node: TreeNode) -> None:
-        m = node.meta
-        if m is None:
-            return
-        remember(self.ghost, node.page_keys, m.last, int(self.GHOST_FACTOR * self.peak))

@@ -1,4 +1,4 @@
-"""``reuse_lru``, the default policy: LRU with leaves of origins that are seldom reused first."""
+"""``reuse_lru``: LRU with leaves of origins that are seldom reused first (the default until ``hedge_lru``)."""
 
 from __future__ import annotations
 
@@ -60,10 +60,11 @@ class ReuseLRU(EvictionPolicy):
     Why: on traces where new content is mostly requested once (Mooncake: about a third of new
     documents come back, tails under a shared prefix almost never) plain LRU spends most of its
     capacity on content never asked for again; on RAG / few-shot it evicts the fresh question tails
-    first, as ``tail_lru`` does, without scanning siblings; on multi-turn chat, where a new leaf is
-    nearly always continued, it orders as LRU does. Online: it uses only past requests. Measured
-    (``benchmarks/hit_rate.py``): Mooncake at 10% / 30% of the working set 54% / 77% of the offline
-    optimum (LRU 49% / 75%, ``tail_lru`` 50% / 75%); the synthetic workloads as ``tail_lru``.
+    first, without scanning siblings; on multi-turn chat, where a new leaf is nearly always continued,
+    it orders as LRU does. Online: it uses only past requests. Held out (``benchmarks/policy_eval.py``):
+    on the Mooncake trace at 5-10% of the working set it is the best online policy measured (+1.3 / +2.6
+    points over LRU), but where one origin's outcome does not predict the next leaf's -- flat RAG
+    popularity, drifting popularity -- it loses up to 8 points to LRU, so it is no longer the default.
 
     Cost: O(1) per key and per touched node (three origins); inserting a leaf looks its page keys up
     in the ghost list (O(pages), like hashing them); the ghost holds at most ``GHOST_FACTOR`` x peak
