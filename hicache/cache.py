@@ -128,7 +128,8 @@ class HiCache:
         self.storage = storage
         self.prefetcher = Prefetcher() if storage is not None else None
         self.writeback = (Writeback(storage, self.host_pool, s.writeback_queue_pages, s.io_batch_pages,
-                                    s.writeback_when_full, observe=self.metrics.storage_op["set"].observe)
+                                    s.writeback_when_full, observe=self.metrics.storage_op["set"].observe,
+                                    on_retry_dropped=self.metrics.writeback_retry_dropped_pages.inc)
                           if storage is not None and self.has_l2 else None)
         self._prefetch_inflight_bytes = 0
         self._storage_seen: dict[str, int] = {}  # backend counters already folded into metrics (by field)

@@ -133,7 +133,7 @@ class CacheConfig:
     # bandwidth for one-off prefixes but loses such pages: on long reuse distances (Mooncake's trace)
     # it hit 37% against 65% (`hicache bench`, embedded defaults otherwise).
     write_policy: str = "write_through"
-    eviction_policy: str = "reuse_lru"  # LRU, learned one-off leaves first (hicache.eviction.ReuseLRU)
+    eviction_policy: str = "hedge_lru"  # LRU unless simulated probation orders hit more (hicache.eviction.HedgeLRU)
     io_backend: str = "auto"  # auto | cpu | kernel | copy_engine | staged
     max_pinned_fraction: float = 0.5  # of L1 (and of L2) that pinned prefixes may hold (HiCache.pin)
     # CUDA transfer engine tuning (TRANSFER_OPTIONS), e.g. {stagger_ways: 4, ce_min_copy_bytes: 65536}
@@ -224,16 +224,21 @@ class StorageConfig:
 
 @dataclass
 class ServeConfig:
-    """``serve``: the gRPC node's address, limits (concurrency, message and request sizes), auth and TLS,
-    the metrics port, and the grace a shutdown gives in-flight calls and queued L3 writes."""
+    """``serve``: the gRPC node's address, limits (concurrency, message and request sizes), auth (one token, or
+    tokens mapped to tenants) and TLS, the metrics address, port and token, and the grace a shutdown gives
+    in-flight calls and queued L3 writes."""
 
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 9400  # 0 disables the /metrics HTTP endpoint
+    metrics_host: str = "127.0.0.1"  # /metrics binds here, not serve.host: loopback unless Prometheus is elsewhere
+    metrics_token: str = ""  # bearer token /metrics requires ("": none)
+    metrics_tls: bool = False  # serve /metrics over HTTPS with serve.tls_cert / tls_key
     max_concurrency: int = 256  # RPCs in flight beyond this get RESOURCE_EXHAUSTED
     max_message_bytes: int = 64 << 20
     max_request_tokens: int = 1 << 20
-    auth_token: str = ""  # bearer token; "" disables auth
+    auth_token: str = ""  # bearer token; "" disables auth (with auth_tokens_file: an admin token)
+    auth_tokens_file: str = ""  # YAML: tokens -> the tenants each may act for, or admin (hicache.service.auth)
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""  # set for mTLS
@@ -248,11 +253,16 @@ class ServeConfig:
                  "a number >= 0", self.shutdown_grace_s)
         _require(self.max_message_bytes >= 1 << 20, "serve.max_message_bytes", ">= 1 MiB", self.max_message_bytes)
         _require(self.max_request_tokens >= 1, "serve.max_request_tokens", ">= 1", self.max_request_tokens)
-        why = token_problem(self.auth_token)
-        if why is not None:  # no client could send it: every call would be refused
-            raise ConfigError(f"serve.auth_token: {why}", "serve.auth_token")
+        for name in ("auth_token", "metrics_token"):
+            why = token_problem(getattr(self, name))
+            if why is not None:  # no client could send it: every call would be refused
+                raise ConfigError(f"serve.{name}: {why}", f"serve.{name}")
+        _require(bool(self.metrics_host), "serve.metrics_host", "an address to bind /metrics on",
+                 self.metrics_host)
         _require(bool(self.tls_cert) == bool(self.tls_key), "serve.tls_key", "set together with serve.tls_cert",
                  self.tls_key)
+        _require(not self.metrics_tls or bool(self.tls_cert), "serve.metrics_tls",
+                 "set only with serve.tls_cert and serve.tls_key (the certificate it serves)", self.metrics_tls)
         # mTLS without TLS would serve plaintext while the operator believes clients are checked
         _require(not self.tls_client_ca or bool(self.tls_cert), "serve.tls_client_ca",
                  "set only with serve.tls_cert and serve.tls_key (mTLS needs TLS)", self.tls_client_ca)

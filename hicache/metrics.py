@@ -112,13 +112,17 @@ class Metrics:
                                         registry=r)
         self.writeback_dropped_pages = Counter("hicache_writeback_dropped_pages",
                                                "Pages not written to L3 because the queue was full", registry=r)
+        self.writeback_retry_dropped_pages = Counter(
+            "hicache_writeback_retry_dropped_pages", "Pages whose L3 write failed and that were given up without "
+            "being written: the oldest waiting for a retry, when more failed than the retry queue holds (L2 "
+            "keeps them; L3 misses them)", registry=r)
         self.storage = {f: Counter(name, doc, registry=r) for f, name, doc in STORAGE_COUNTERS}
         self.pool_used = Gauge("hicache_pool_used_pages", "Pages in use, by tier", ["tier"], registry=r)
         self.pool_total = Gauge("hicache_pool_total_pages", "Pool capacity in pages, by tier", ["tier"], registry=r)
         self.pinned_pages = Gauge("hicache_pinned_pages", "Pages pinned prefixes hold, by tier (HiCache.pin)",
                                   ["tier"], registry=r)
-        self.writeback_queue = Gauge("hicache_writeback_queue_pages", "Pages waiting to be written to L3",
-                                     registry=r)
+        self.writeback_queue = Gauge("hicache_writeback_queue_pages", "Pages waiting to be written to L3 "
+                                     "(queued, or waiting to retry a write that failed)", registry=r)
         self.tenant_pages = Gauge("hicache_tenant_pages", "Pages a tenant named in cache.tenant_shares holds, by "
                                   "tenant and tier (tenant \"\" shows as a series without the tenant label; tenants "
                                   "only '*' covers are not shown)", ["tenant", "tier"], registry=r)

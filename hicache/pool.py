@@ -24,12 +24,21 @@ An L2 pool is usually the largest allocation of the process (tens of GB), so ``H
 against :func:`available_host_memory` before allocating anything and raises :class:`HostMemoryError`
 when it does not fit: where the kernel overcommits, an unpinned buffer that does not fit would be
 granted anyway and the process killed later, as the cache fills.
+
+Building a pool touches none of its memory: an unpinned L2 is ``torch.empty`` and a large L1 on the CPU
+(zeros) is an anonymous mapping whose pages the kernel supplies, zeroed, on first write (:func:`host_zeros`,
+advised for transparent huge pages), so start-up takes the same time at any size. Memory granted that way
+is not taken yet when the next pool is checked, so the check also counts what lazily mapped pools alive in
+this process may still take (:func:`lazy_host_bytes`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import Literal
 
@@ -47,6 +56,11 @@ MAX_BLOCK_PAGES = 64
 
 # a memory cgroup limit at or above this is "no limit" (cgroup v1 writes 2**63 rounded down to a page)
 _NO_CGROUP_LIMIT = 1 << 60
+# a CPU L1 tensor at least this large is mapped lazily (host_zeros) instead of filled with zeros at once
+LAZY_MIN_BYTES = 1 << 20
+
+_lazy_lock = threading.Lock()
+_lazy_bytes = 0  # host memory lazily mapped pools alive in this process were granted (lazy_host_bytes)
 
 
 def format_bytes(n: float) -> str:
@@ -170,6 +184,47 @@ def available_host_memory() -> int | None:
     return min(avail, room)
 
 
+def lazy_host_bytes() -> int:
+    """Bytes of host memory granted to lazily mapped pools alive in this process (:func:`host_zeros`,
+    :func:`reserve_host_memory`): what they may still take as they fill, counted whole (a pool's pages
+    already touched are counted by :func:`available_host_memory` too, so a pool built beside a full one
+    is judged conservatively)."""
+    return _lazy_bytes
+
+
+def _unreserve(nbytes: int) -> None:
+    global _lazy_bytes
+    with _lazy_lock:
+        _lazy_bytes -= nbytes
+
+
+def reserve_host_memory(owner: object, nbytes: int) -> None:
+    """Count ``nbytes`` in :func:`lazy_host_bytes` until ``owner`` (the object whose lifetime is the
+    memory's: an ``mmap``, a shared memory segment) is collected."""
+    global _lazy_bytes
+    with _lazy_lock:
+        _lazy_bytes += nbytes
+    weakref.finalize(owner, _unreserve, nbytes)
+
+
+def host_zeros(nbytes: int) -> torch.Tensor:
+    """A flat ``uint8`` tensor of ``nbytes`` zero bytes of host memory, none of them touched: an anonymous
+    private mapping whose pages the kernel supplies, zeroed, on first write (in huge pages where
+    transparent huge pages are on for ``madvise``). Costs no time and no memory until written; counted in
+    :func:`lazy_host_bytes` while the memory lives. :class:`HostMemoryError` when the system refuses the
+    mapping."""
+    try:
+        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    except (OSError, OverflowError, ValueError) as e:
+        raise HostMemoryError(nbytes, None, str(e)) from e
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        # a kernel without transparent huge pages refuses: small pages, as without the advice
+        with contextlib.suppress(OSError):
+            m.madvise(mmap.MADV_HUGEPAGE)
+    reserve_host_memory(m, nbytes)
+    return torch.frombuffer(m, dtype=torch.uint8)
+
+
 def default_block_pages(piece_bytes: int) -> int:
     """Pages per block of a block-first pool of ``piece_bytes`` pieces (see ``BLOCK_RUN_BYTES``)."""
     b = 1
@@ -266,9 +321,18 @@ class DevicePool:
         shape = (num_pages, *layout.page_shape)
         # kv[layer][c]: [P, S, H, D]
         self.kv: list[list[torch.Tensor]] = [
-            [torch.zeros(shape, dtype=layout.torch_dtype, device=self.device) for _ in range(layout.kv_count)]
-            for _ in range(layout.num_layers)
+            [self._zeros(shape, layout.torch_dtype) for _ in range(layout.kv_count)] for _ in range(layout.num_layers)
         ]
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero tensor on the pool's device; a large one on the CPU is mapped lazily (:func:`host_zeros`):
+        filling gigabytes with zeros page by page is what made start-up grow with the pool."""
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if self.device.type != "cpu" or nbytes < LAZY_MIN_BYTES:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        return host_zeros(nbytes).view(dtype).view(shape)
 
     @classmethod
     def from_buffer(cls, layout: KVLayout, num_pages: int, buffer: torch.Tensor) -> DevicePool:
@@ -342,6 +406,8 @@ class HostPool:
         # checked before the allocator's arrays and the buffer exist, so a pool that cannot fit costs nothing
         needed = self.num_blocks * self.block_pages * layout.bytes_per_page
         available = available_host_memory()
+        if available is not None:  # less what lazily mapped pools (an L1 on the CPU) may still take
+            available = max(0, available - lazy_host_bytes())
         if available is not None and needed > available:
             raise HostMemoryError(needed, available)
         self.allocator = PageAllocator(num_pages)

@@ -184,9 +184,19 @@ def test_bench_capacity_beyond_the_working_set_replays_in_what_the_trace_needs(t
 def test_ctrl_c_while_a_subcommand_loads_exits_130_quietly() -> None:
     """A Ctrl-C that lands while ``hicache bench`` loads its modules (seconds, on a cold machine) ends the
     command with 130 and nothing on stderr, as one during the replay does. The signal is real: the process
-    sends itself SIGINT as the bench module's import begins."""
+    sends itself SIGINT as the bench module's import begins (``os.kill`` runs Python's handler before it
+    returns, so the interrupt lands at that import, whatever the machine's load).
+
+    The process starts with SIGINT as a terminal gives it: Python's handler, the signal not blocked. A
+    child inherits an ignored SIGINT and a blocked signal mask from its parent, and Python then installs no
+    handler: run from a non-interactive shell in the background (``scripts/test.sh &``, a CI runner, a
+    ``nohup`` wrapper), the suite's processes ignore SIGINT, the self-sent signal was lost and the whole
+    benchmark ran (exit 0), while the same test passed alone in a terminal."""
     code = textwrap.dedent("""
         import os, signal, sys
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
         class CtrlC:
             def find_spec(self, name, path=None, target=None):

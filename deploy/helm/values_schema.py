@@ -133,7 +133,8 @@ def config_schema() -> Schema:
         "serve": obj({
             "max_concurrency": integer(1), "max_message_bytes": integer(1 << 20), "max_request_tokens": integer(1),
             "shutdown_grace_s": number(0), "shared_pool": BOOL},
-            description="host, ports and TLS paths are set by the chart; auth_token comes from auth.* (the Secret)"),
+            description="host, ports, TLS paths and the metrics address are set by the chart; auth_token, "
+                        "auth_tokens_file and metrics_token come from auth.* / metrics.* (Secrets)"),
     })
 
 
@@ -174,7 +175,10 @@ def values_schema() -> Schema:
                                          description="visible ASCII only (it travels in gRPC metadata): no spaces, "
                                                      "no trailing newline"),
                          "existingSecret": string(),
-                         "existingSecretKey": SECRET_KEY}),
+                         "existingSecretKey": SECRET_KEY,
+                         "tokensFileSecret": string(description="a Secret holding a tokens file (tokens -> "
+                                                                "tenants): serve.auth_tokens_file"),
+                         "tokensFileKey": SECRET_KEY}),
             "tls": {**obj({"enabled": BOOL, "secretName": string(), "mtls": BOOL}),
                     "if": {"properties": {"enabled": {"const": True}}, "required": ["enabled"]},
                     "then": {"properties": {"secretName": string(minLength=1)}}},
@@ -214,13 +218,18 @@ def values_schema() -> Schema:
                                                        "kvEventsReplay": string()})},
             "metrics": obj({
                 "enabled": BOOL, "port": PORT, "annotations": BOOL,
+                "auth": obj({"enabled": BOOL,
+                             "token": string(pattern=r"^[!-~]*$", description="visible ASCII only (an HTTP "
+                                                                              "header value): no spaces"),
+                             "existingSecret": string(), "existingSecretKey": SECRET_KEY}),
+                "tls": BOOL,
                 "serviceMonitor": obj({"enabled": BOOL, "interval": DURATION, "scrapeTimeout": DURATION,
-                                       "labels": LABELS}),
+                                       "labels": LABELS, "tlsConfig": ANY_OBJECT}),
                 "prometheusRule": obj({"enabled": BOOL, "labels": LABELS,
                                        "matchLatencyP99Seconds": number(positive=True),
                                        "hitRateBelow": number(0, 1)}),
                 "grafanaDashboard": obj({"enabled": BOOL, "labels": LABELS})},
-                required=("enabled", "port", "serviceMonitor", "prometheusRule", "grafanaDashboard")),
+                required=("enabled", "port", "auth", "serviceMonitor", "prometheusRule", "grafanaDashboard")),
             "redis": obj({
                 "enabled": BOOL,
                 "image": obj({"repository": string(minLength=1), "tag": string(minLength=1),

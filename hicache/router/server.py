@@ -3,7 +3,8 @@
 ``RouterServer(config, rconfig).start()`` builds a :class:`~hicache.router.core.Router`, one
 :class:`~hicache.router.feed.NodeFeed` per node, and a gRPC server with the Router service, the standard
 health service (``""``: SERVING while up; ``hicache.v1.Router``: SERVING while at least one node is
-routable) and reflection; optional bearer token, TLS/mTLS and ``/metrics``. Everything runs on one event
+routable) and reflection; optional bearer token (every call but health's, checked before its request is read:
+:class:`~hicache.service.auth.AuthInterceptor`), TLS/mTLS and ``/metrics``. Everything runs on one event
 loop, so the index, loads and breakers need no locks; a scrape of ``/metrics`` (served from its own threads)
 does its bookkeeping on that loop too (:class:`RouterMetrics`).
 """
@@ -32,7 +33,7 @@ from hicache.router.config import RouterConfig
 from hicache.router.core import NoNodeError, RequestIdConflict, RouteDecision, Router
 from hicache.router.engine_feed import EngineFeed
 from hicache.router.feed import NodeFeed
-from hicache.service.auth import BearerTokenInterceptor, server_credentials
+from hicache.service.auth import Authenticator, AuthInterceptor, server_credentials
 from hicache.service.decode import DecodeGuard
 from hicache.service.metrics_http import RPC_BUCKETS, MetricsServer
 from hicache.service.validation import NamespaceResolver, ServiceError, token_bytes
@@ -283,9 +284,11 @@ class RouterServer:
     async def start(self) -> None:
         rc = self.rconfig
         self.metrics.attach(asyncio.get_running_loop())
-        interceptors: list[grpc.aio.ServerInterceptor] = [DecodeGuard()]
+        # authentication first: a call without the token is refused before anything reads its request
+        interceptors: list[grpc.aio.ServerInterceptor] = []
         if rc.auth_token:
-            interceptors.append(BearerTokenInterceptor(rc.auth_token))
+            interceptors.append(AuthInterceptor(Authenticator.single(rc.auth_token)))
+        interceptors.append(DecodeGuard())
         # a Route of max_request_tokens token ids must fit (int64 ids: up to ~10 bytes each on the wire)
         max_msg = max(4 << 20, 10 * rc.max_request_tokens + (64 << 10))
         self.server = grpc.aio.server(interceptors=interceptors, options=[

@@ -10,7 +10,7 @@
 * :mod:`.requests`     -- open requests by client-chosen id (ownership of locks and pages, idle expiry).
 * :mod:`.events`       -- the event hub behind WatchEvents (gap-free sequence numbers, snapshots).
 * :mod:`.shared_pool`  -- the L1 pool in shared memory (CPU) or CUDA IPC-exportable memory (GPU).
-* :mod:`.auth`         -- bearer-token interceptor.
+* :mod:`.auth`         -- bearer tokens checked before any request is read; tokens mapped to tenants.
 * :mod:`.metrics_http` -- RPC metrics and the Prometheus ``/metrics`` HTTP endpoint.
 * :mod:`.cli`          -- ``hicache serve --config FILE`` (flags override the file).
 """

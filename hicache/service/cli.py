@@ -3,8 +3,11 @@
     hicache serve --config node.yaml [--port 50051] [--metrics-port 9400] [--storage-url file:///var/hicache] ...
 
 Precedence: the YAML file < ``HICACHE_<SECTION>__<FIELD>`` environment variables < flags. The bearer token
-is best passed as ``HICACHE_SERVE__AUTH_TOKEN`` (flags show up in ``ps``). On start it prints
-``hicache serve: listening on HOST:PORT``; SIGTERM shuts down gracefully (see :mod:`.server`).
+is best passed as ``HICACHE_SERVE__AUTH_TOKEN`` (flags show up in ``ps``). Where nothing sets
+``cache.l1_tokens`` / ``cache.l2_tokens``, they are sized from this machine (an L1 on the CPU at most 1/8 of
+the host memory available, L1 and L2 together at most half, never above the defaults; one line says what was
+chosen). Every tier is checked against the memory there is before any is allocated. On start it prints
+``hicache serve: listening on HOST:PORT ... after N s``; SIGTERM shuts down gracefully (see :mod:`.server`).
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import math
 import os
 from typing import Any
 
-from hicache.config import ConfigError, HiCacheConfig, blame_env, load_config
+from hicache.config import ConfigError, HiCacheConfig, blame_env, env_sources, load_config, read_config_file
 from hicache.helptext import HelpFormatter
-from hicache.preflight import check_device, check_host, check_l1_fits, check_pem_file
+from hicache.preflight import check_device, check_host, check_memory, check_tls, size_tiers
+from hicache.service.requests import DEFAULT_REQUEST_TTL_S
 
 # flag dest -> (section, field)
 _FLAGS: dict[str, tuple[str, str]] = {
@@ -71,8 +75,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--write-policy")
     g.add_argument("--model")
     g.add_argument("--revision")
-    p.add_argument("--request-ttl-s", type=float, default=600.0,
-                   help="release requests idle this long (a client that went away); default 600")
+    p.add_argument("--request-ttl-s", type=float, default=DEFAULT_REQUEST_TTL_S,
+                   help="release requests idle this long (a client that went away); default "
+                        f"{DEFAULT_REQUEST_TTL_S:g}")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -86,19 +91,31 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return out
 
 
-def preflight(config: HiCacheConfig, overrides: dict[str, dict[str, Any]]) -> None:
-    """What this machine must offer the config (:mod:`hicache.preflight`); :class:`ConfigError` naming the
-    field, or the environment variable that set it."""
+def preflight(config: HiCacheConfig, overrides: dict[str, dict[str, Any]], given: set[str] | None = None
+              ) -> tuple[HiCacheConfig, str]:
+    """What this machine must offer the config (:mod:`hicache.preflight`). Returns the config with each tier
+    size that ``given`` (the fields set anywhere; None: all) does not name sized from this machine, and the
+    line saying so ("" when none was); :class:`ConfigError` naming the field, or the environment variable
+    that set it."""
     s = config.serve
     try:
         check_host(s.host, "serve.host")
         check_device(config.cache.device)
-        check_l1_fits(config)
-        for name in ("tls_cert", "tls_key", "tls_client_ca"):
-            if getattr(s, name):
-                check_pem_file(getattr(s, name), f"serve.{name}")
+        check_tls(s.tls_cert, s.tls_key, s.tls_client_ca)
+        sizing = size_tiers(config, {"cache.l1_tokens", "cache.l2_tokens"} if given is None else given)
+        check_memory(sizing.config)  # every tier, before any is allocated
     except ConfigError as e:
         raise blame_env(e, os.environ, overrides) from None
+    return sizing
+
+
+def given_fields(path: str | None, overrides: dict[str, dict[str, Any]]) -> set[str]:
+    """``section.field`` names the config file, the environment or a flag sets."""
+    data = read_config_file(path) if path is not None else {}
+    out = {f"{sec}.{name}" for sec, fields in data.items() if isinstance(fields, dict) for name in fields}
+    out |= set(env_sources(os.environ))
+    out |= {f"{sec}.{name}" for sec, fields in overrides.items() for name in fields}
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
     # NaN passes "> 0" and would keep every abandoned request (and its pages) forever, as inf says to
     if not (math.isfinite(args.request_ttl_s) and args.request_ttl_s > 0):
         raise ConfigError(f"--request-ttl-s: must be a finite number > 0, got {args.request_ttl_s}")
-    preflight(config, overrides)
+    config, sized = preflight(config, overrides, given_fields(args.config, overrides))
+    if sized:
+        print(sized, flush=True)
     from hicache.service.server import run as run_server
 
     return run_server(config, request_ttl_s=args.request_ttl_s)

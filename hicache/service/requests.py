@@ -2,10 +2,14 @@
 
 A Match opens a :class:`hicache.cache.Request` under an id; Allocate, Prefetch and Commit act on it and
 Release closes it. The table is what makes page ownership enforceable: a request owns the L1 prefix it
-locked and the pages Allocate gave it, and only its own id reaches them. Calls on one id run one at a
-time (``Entry.lock``). Requests idle for longer than ``idle_ttl_s`` (a client that died) are taken out by
-:meth:`RequestTable.expired` and released by the servicer's ``expire_idle``, so their locks cannot pin
-the cache forever.
+locked and the pages Allocate gave it, and only its own id reaches them (with a tokens file the servicer
+keeps one table per token, so ids are per token too). Calls on one id run one at a time (``Entry.lock``).
+Requests idle for longer than ``idle_ttl_s`` (a client that died; :data:`DEFAULT_REQUEST_TTL_S` unless
+``hicache serve --request-ttl-s`` says otherwise) are taken out by :meth:`RequestTable.expired` and released
+by the servicer's ``expire_idle``, so their locks cannot pin the cache for long. Any call on an id counts as
+use: a client that holds a request longer than that without a call (a long decode between Match and
+Commit) keeps it with an Allocate of 0 pages now and then. Requests a MatchStream opened are released when
+the stream ends, whatever the TTL.
 
 A Match on an open id is refused (ALREADY_EXISTS), except an exact repeat of the Match that opened it
 before any other call used the id: a client retrying after the reply was lost (the connection dropped).
@@ -20,12 +24,19 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from hicache.cache import Request
 from hicache.service.validation import MAX_ID_BYTES, ServiceError, shown
+
+if TYPE_CHECKING:  # the cache (and torch) stay out of what `hicache serve --help` imports
+    from hicache.cache import Request
+
+# Seconds a request may idle before it is released. A client that died without its Release holds its L1
+# prefix and pages that long (and up to a quarter more: expiry runs every TTL / 4): two minutes, not the
+# ten a longer default would let one dead client keep a GPU's pages for.
+DEFAULT_REQUEST_TTL_S = 120.0
 
 
 @dataclass
@@ -41,7 +52,7 @@ class Entry:
 
 
 class RequestTable:
-    def __init__(self, idle_ttl_s: float = 600.0) -> None:
+    def __init__(self, idle_ttl_s: float = DEFAULT_REQUEST_TTL_S) -> None:
         self.idle_ttl_s = idle_ttl_s
         self._entries: dict[str, Entry] = {}
 

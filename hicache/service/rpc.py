@@ -3,8 +3,10 @@
 ``@unary`` / ``@streaming`` wrap a handler method of a servicer that provides ``_admit(name) -> bool``,
 ``_done(name, code, t0)`` and ``serve.max_concurrency``: a call beyond the bound ends with
 RESOURCE_EXHAUSTED before the handler runs. Release is always admitted (it frees what the bound
-protects); WatchEvents subscriptions, which last as long as their subscriber, are neither bounded nor
-counted against it (``UNBOUNDED``); :class:`ServiceError` and
+protects). Streams that last as long as their client (WatchEvents subscriptions; MatchStream, one per client
+for its life) are neither bounded nor counted against it as streams (``UNBOUNDED``): a MatchStream counts
+each message while the node handles it, as a Match call (one beyond the bound gets a RESOURCE_EXHAUSTED
+reply, and the stream goes on), so idle streams take no room from unary calls; :class:`ServiceError` and
 :class:`CacheFullError` become their status codes; anything else is a bug, logged with its traceback and
 returned as INTERNAL.
 """
@@ -29,7 +31,7 @@ log = logging.getLogger("hicache.service")
 
 
 ALWAYS_ADMITTED = frozenset({"Release"})  # counted against serve.max_concurrency, never refused
-UNBOUNDED = frozenset({"WatchEvents"})  # neither refused nor counted
+UNBOUNDED = frozenset({"WatchEvents", "MatchStream"})  # neither refused nor counted (MatchStream: per message)
 
 
 def busy_message(limit: int) -> str:

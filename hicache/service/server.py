@@ -5,8 +5,13 @@
 
 * ``hicache.v1.HiCache`` (:mod:`.servicer`), ``grpc.health.v1.Health`` and server reflection;
 * max message sizes (``serve.max_message_bytes``), bounded concurrency (``serve.max_concurrency``);
-* TLS (``serve.tls_cert``/``tls_key``), mTLS (``serve.tls_client_ca``), a bearer token (``serve.auth_token``);
-* Prometheus ``/metrics`` on ``serve.metrics_port`` (0: off).
+* TLS (``serve.tls_cert``/``tls_key``), mTLS (``serve.tls_client_ca``), bearer tokens (``serve.auth_token``,
+  ``serve.auth_tokens_file``: :mod:`.auth`), checked before any request is read;
+* Prometheus ``/metrics`` on ``serve.metrics_host:serve.metrics_port`` (0: off; loopback by default), behind
+  ``serve.metrics_token`` when set, over HTTPS with the node's certificate with ``serve.metrics_tls``.
+
+Requests idle for ``request_ttl_s`` (:data:`~hicache.service.requests.DEFAULT_REQUEST_TTL_S` by default) are
+released: a client that died cannot hold its L1 pages for longer.
 
 ``stop()`` is the graceful shutdown SIGTERM triggers: health goes NOT_SERVING, event streams end, the
 server stops accepting and lets in-flight RPCs finish (up to ``serve.shutdown_grace_s``), open requests
@@ -26,12 +31,14 @@ import grpc
 
 from hicache.cache import HiCache
 from hicache.config import HiCacheConfig
+from hicache.preflight import process_uptime_s
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
-from hicache.service.auth import BearerTokenInterceptor, server_credentials
+from hicache.service.auth import Authenticator, AuthInterceptor, server_credentials
 from hicache.service.decode import DecodeGuard
 from hicache.service.events import EventHub
 from hicache.service.metrics_http import MetricsServer, ServiceMetrics
+from hicache.service.requests import DEFAULT_REQUEST_TTL_S
 from hicache.service.servicer import HiCacheServicer
 from hicache.service.shared_pool import SharedPool
 from hicache.storage.base import StorageBackend
@@ -56,7 +63,7 @@ STORAGE_PROBE_S = 15.0  # how often a node checks that its L3 store answers (hic
 
 class NodeServer:
     def __init__(self, config: HiCacheConfig, storage: StorageBackend | None = None,
-                 request_ttl_s: float = 600.0, storage_probe_s: float = STORAGE_PROBE_S) -> None:
+                 request_ttl_s: float = DEFAULT_REQUEST_TTL_S, storage_probe_s: float = STORAGE_PROBE_S) -> None:
         self.config = config
         self._storage = storage
         self.request_ttl_s = request_ttl_s
@@ -96,10 +103,12 @@ class NodeServer:
         self.hub = EventHub(asyncio.get_running_loop(), self.server_id)
         self.cache.add_listener(self.hub.on_tree_event)
         self.metrics = ServiceMetrics(self.cache.metrics.registry)
-        self.servicer = HiCacheServicer(self.cache, s, self.metrics, self.hub, self.shared, self.request_ttl_s)
-        interceptors: list[grpc.aio.ServerInterceptor] = [DecodeGuard()]
-        if s.auth_token:
-            interceptors.append(BearerTokenInterceptor(s.auth_token))
+        auth = Authenticator.for_serve(s.auth_token, s.auth_tokens_file)
+        self.servicer = HiCacheServicer(self.cache, s, self.metrics, self.hub, self.shared, self.request_ttl_s,
+                                        auth)
+        # authentication first: a call without a known token is refused before anything reads its request
+        interceptors: list[grpc.aio.ServerInterceptor] = [] if auth is None else [AuthInterceptor(auth)]
+        interceptors.append(DecodeGuard())
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
@@ -126,7 +135,9 @@ class NodeServer:
         if self.port == 0:
             raise OSError(f"serve: cannot bind {addr}")
         if s.metrics_port:
-            self._metrics_http = MetricsServer(self.cache.metrics.registry, s.host, s.metrics_port)
+            self._metrics_http = MetricsServer(self.cache.metrics.registry, s.metrics_host, s.metrics_port,
+                                               token=s.metrics_token, certfile=s.tls_cert if s.metrics_tls else "",
+                                               keyfile=s.tls_key if s.metrics_tls else "")
             self.metrics_port = self._metrics_http.port
         # Everything built so far lives as long as the server: move it out of the collector's view so
         # full collections stay short (tail latency), and collect young objects less often.
@@ -142,6 +153,11 @@ class NodeServer:
             self._prober = asyncio.create_task(self._probe_loop())
         log.info("hicache serve: %s on %s:%d (pool %s, %d L1 pages, layout %s)", self.server_id, s.host, self.port,
                  self.shared.kind if self.shared else "private", cfg.l1_pages, cfg.layout.to_layout().describe())
+
+    @property
+    def metrics_url(self) -> str:
+        """Where ``/metrics`` is served ("": nowhere)."""
+        return self._metrics_http.url if self._metrics_http is not None else ""
 
     async def _probe_store(self, first: bool = False) -> None:
         """One round trip to L3 (on a worker thread): sets ``hicache_storage_up`` and logs each change."""
@@ -213,8 +229,8 @@ class NodeServer:
                       "at the deadline %d)", lost, report.failed_pages, report.dropped_pages, report.pending_pages)
 
 
-async def serve_until_signal(config: HiCacheConfig, ready: asyncio.Event | None = None,
-                             announce: bool = True, request_ttl_s: float = 600.0) -> FlushReport | None:
+async def serve_until_signal(config: HiCacheConfig, ready: asyncio.Event | None = None, announce: bool = True,
+                             request_ttl_s: float = DEFAULT_REQUEST_TTL_S) -> FlushReport | None:
     """Run until SIGTERM / SIGINT, then shut down gracefully. Prints one ``listening on`` line when up."""
     node = NodeServer(config, request_ttl_s=request_ttl_s)
     await node.start()
@@ -223,15 +239,16 @@ async def serve_until_signal(config: HiCacheConfig, ready: asyncio.Event | None 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if announce:
-        extra = f" metrics http://{config.serve.host}:{node.metrics_port}/metrics" if node.metrics_port else ""
-        print(f"hicache serve: listening on {config.serve.host}:{node.port}{extra}", flush=True)
+        extra = f" metrics {node.metrics_url}" if node.metrics_url else ""
+        print(f"hicache serve: listening on {config.serve.host}:{node.port}{extra} after {process_uptime_s():.1f} s",
+              flush=True)
     if ready is not None:
         ready.set()
     await stop.wait()
     return await node.stop()
 
 
-def run(config: HiCacheConfig, request_ttl_s: float = 600.0) -> int:
+def run(config: HiCacheConfig, request_ttl_s: float = DEFAULT_REQUEST_TTL_S) -> int:
     """Blocking entry point: :func:`serve_until_signal` on uvloop (asyncio's loop without it)."""
     try:
         import uvloop

@@ -20,7 +20,21 @@ releases what it opened (only its reply could name the id the node made up). A r
 handler returned is not seen here: such a request waits for the client's Release (the Python clients name
 every id they open and release it when a reply is lost) or idle expiry. A Match that
 repeats exactly the one that opened its id, before any other call on the id, gets that Match's reply
-again instead of ALREADY_EXISTS: clients resend a Match whose reply was lost (:mod:`.requests`).
+again instead of ALREADY_EXISTS: clients resend a Match whose reply was lost (:mod:`.requests`). A MatchStream
+counts against ``serve.max_concurrency`` per message, not for its life, and the requests it opened that are
+still open when it ends (the client closed it, or went away) are released then.
+
+Tenants (:mod:`.auth`). Every caller is a :class:`~hicache.service.auth.Principal`: with auth off or one
+``serve.auth_token``, one that may do everything; with ``serve.auth_tokens_file``, each token acts for its
+tenants only. The tenant a call acts for is its ``namespace.tenant`` (the node's ``model.tenant`` when
+empty). Match, MatchStream, Pin, ReadPages and WritePages for a tenant the token may not act for end with
+PERMISSION_DENIED (a MatchStream message: that reply) before the cache is touched. Request ids are per token
+(one token's Allocate / Commit / Prefetch / Release never reaches another's requests: NOT_FOUND, as an
+unknown id), and so are pins (Unpin, ListPins: only the pins made for the token's tenants). WatchEvents
+sends a token limited to some tenants only their pages' events, numbered 1, 2, 3, ... for that subscriber
+(gap-free, as the hub numbers them for one that sees everything). Clear and Flush act on every tenant: admin
+tokens only; Attach maps the whole L1 pool (every tenant's pages): tokens for every tenant only. Stats and
+GetPoolInfo are node-wide figures any token may read.
 """
 
 from __future__ import annotations
@@ -45,11 +59,12 @@ from hicache.config import ServeConfig
 from hicache.hostid import host_id
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
+from hicache.service.auth import EVERYONE, Authenticator, Principal
 from hicache.service.decode import Undecodable
 from hicache.service.events import EventHub
 from hicache.service.metrics_http import ServiceMetrics
 from hicache.service.pages import gather_pages, scatter_pages
-from hicache.service.requests import Entry, RequestTable
+from hicache.service.requests import DEFAULT_REQUEST_TTL_S, Entry, RequestTable
 from hicache.service.rpc import ALWAYS_ADMITTED, UNBOUNDED, Ctx, busy_message, log, status_of, streaming, unary
 from hicache.service.shared_pool import SharedPool
 from hicache.service.validation import (
@@ -115,16 +130,41 @@ def _open_request(entry: Entry, request_id: str) -> Request:
     return req
 
 
+def denied(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.PERMISSION_DENIED, message)
+
+
+async def tenant_events(events: AsyncIterator[pb.Event], digests: set[bytes]) -> AsyncIterator[pb.Event]:
+    """The hub's ``events`` cut to the runs of the namespaces ``digests``, numbered for this subscriber: each
+    event kept gets the next number (1, 2, 3, ...), a snapshot the number of the last event sent before it, so
+    the stream is as gap-free as the hub's and says nothing of the events left out (not even how many)."""
+    n = 0
+    async for ev in events:
+        runs = [r for r in ev.runs if r.namespace_digest in digests]
+        if ev.kind == pb.Event.SNAPSHOT:
+            yield pb.Event(sequence=n, kind=ev.kind, runs=runs, server_id=ev.server_id,
+                           snapshot_continues=ev.snapshot_continues)
+        elif runs:
+            n += 1
+            yield pb.Event(sequence=n, kind=ev.kind, runs=runs, server_id=ev.server_id)
+
+
 class HiCacheServicer(pb_grpc.HiCacheServicer):
     def __init__(self, cache: HiCache, serve: ServeConfig, metrics: ServiceMetrics, hub: EventHub,
-                 shared: SharedPool | None, request_ttl_s: float = 600.0) -> None:
+                 shared: SharedPool | None, request_ttl_s: float = DEFAULT_REQUEST_TTL_S,
+                 auth: Authenticator | None = None) -> None:
         self.cache = cache
         self.serve = serve
         self.metrics = metrics
         self.hub = hub
         self.shared = shared
         self.resolver = NamespaceResolver(cache.ns)
-        self.table = RequestTable(request_ttl_s)
+        # who calls: None when every caller is EVERYONE (auth off, or serve.auth_token alone)
+        self.auth = auth if auth is not None and auth.scoped else None
+        self.request_ttl_s = request_ttl_s
+        self.table = RequestTable(request_ttl_s)  # the requests of EVERYONE (all of them without a tokens file)
+        self._tables: dict[str, RequestTable] = {"": self.table}  # by Principal.scope
+        self._pin_tenants: dict[int, str] = {}  # pin id -> the tenant it was made for (Pin)
         # releases running on their own: of requests whose Match reply was lost (_orphaned), and those of
         # Releases waiting for the Match that opens their id (Release)
         self._background: set[asyncio.Task[Any]] = set()
@@ -137,7 +177,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                       .methods_by_name}
         self._counts: dict[tuple[str, str], Any] = {}
         metrics.rpc_inflight.set_function(lambda: self.inflight)
-        metrics.open_requests.set_function(lambda: len(self.table))
+        metrics.open_requests.set_function(lambda: self.open_requests)
         metrics.event_subscribers.set_function(lambda: hub.subscribers)
         metrics.event_queue.set_function(lambda: hub.queued)
         metrics.event_sequence.set_function(lambda: hub.sequence)
@@ -162,8 +202,36 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             c = self._counts[(name, code)] = self.metrics.rpc_total.labels(name, code)
         c.inc()
 
-    def _ns(self, ref: pb.NamespaceRef) -> Any:
-        return self.resolver.resolve(ref.tenant, ref.model, ref.revision, ref.layout)
+    @property
+    def open_requests(self) -> int:
+        return sum(len(t) for t in self._tables.values())
+
+    def _who(self, context: Ctx) -> Principal:
+        """The caller (see the module docstring); the interceptor has let only known tokens through."""
+        if self.auth is None:
+            return EVERYONE
+        who = self.auth.principal(context.invocation_metadata())
+        if who is None:  # pragma: no cover - AuthInterceptor refuses such a call before any handler
+            raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        return who
+
+    def _table(self, who: Principal) -> RequestTable:
+        """The table of the caller's requests: ids are per token."""
+        t = self._tables.get(who.scope)
+        if t is None:
+            t = self._tables[who.scope] = RequestTable(self.request_ttl_s)
+        return t
+
+    def _ns(self, ref: pb.NamespaceRef, who: Principal = EVERYONE) -> Any:
+        ns = self.resolver.resolve(ref.tenant, ref.model, ref.revision, ref.layout)
+        if not who.may_act_for(ns.tenant):
+            raise denied(f"namespace.tenant {shown(ns.tenant)}: this token may not act for that tenant")
+        return ns
+
+    @staticmethod
+    def _admin(who: Principal, what: str) -> None:
+        if not who.admin:
+            raise denied(f"{what} acts on every tenant's pages: it needs an admin token")
 
     def _load(self, req: Request) -> LoadResult:
         load = self.cache.load_back(req, layer_wise=False)  # the reply comes once every layer is on L1
@@ -186,7 +254,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     async def expire_idle(self) -> int:
         """Release requests idle past the TTL (a client that went away); returns how many."""
-        old = self.table.expired()
+        old = [e for t in self._tables.values() for e in t.expired()]
         if old:
             # The entries have left the table: their releases run to the end even if this caller (the
             # expiry loop, cancelled at shutdown) is cancelled, and release_all waits for them.
@@ -206,7 +274,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
         on their own (a Release waiting for such a Match, a lost reply's request): once this returns, nothing
         is left open and no release is under way, unless a Match outlived the wait."""
         end = time.monotonic() + (self.serve.shutdown_grace_s if wait_s is None else wait_s)
-        entries = self.table.drain()
+        entries = [e for t in self._tables.values() for e in t.drain()]
         opening = [asyncio.ensure_future(e.settled.wait()) for e in entries if e.request is None]
         if opening:
             await asyncio.wait(opening, timeout=max(0.0, end - time.monotonic()))
@@ -224,45 +292,58 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     # ------------------------------------------------------------------ Match
     @unary
     async def Match(self, request: pb.MatchRequest, context: Ctx) -> pb.MatchResponse:
+        who = self._who(context)
+        table = self._table(who)
         if request.request_id or request.peek:
-            return await self._match(request)
+            return await self._match(request, table=table, who=who)
         # Only the reply names an id made up here: if the call is cancelled (deadline, client gone) once the
         # request opened (waiting for L1 pages another request loads), nobody could ever Release it.
         made_up = uuid.uuid4().hex
         try:
-            return await self._match(request, made_up)
+            return await self._match(request, made_up, table, who)
         except asyncio.CancelledError:
-            self._orphaned(made_up)
+            self._orphaned(table, made_up)
             raise
 
-    def _orphaned(self, rid: str) -> None:
+    def _orphaned(self, table: RequestTable, rid: str) -> None:
         """(Event loop.) Release the request open under ``rid``, an id whose Match reply never reached its
         caller; nothing when it is not open (the Match failed, or its cancellation released it)."""
-        entry = self.table.take_open(rid)
+        entry = table.take_open(rid)
         if entry is None:
             return
         self._in_background(self._release(entry))
 
     async def MatchStream(self, request_iterator: AsyncIterator[pb.MatchRequest],
                           context: Ctx) -> AsyncIterator[pb.MatchResponse]:
-        # Not wrapped by @streaming (one generator layer less per message on the hot path); same accounting.
-        if not self._admit("MatchStream"):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                busy_message(self.serve.max_concurrency))
+        # Not wrapped by @streaming (one generator layer less per message on the hot path). The stream itself
+        # is UNBOUNDED: each message counts in `inflight` while it is handled, as a Match call would.
+        self._admit("MatchStream")
+        who = self._who(context)
+        table = self._table(who)
+        opened: dict[str, Entry] = {}  # what this stream's Matches opened: released when it ends
         hist = self._hist["Match"]
         pc = time.perf_counter
+        limit = self.serve.max_concurrency
         t_open = pc()
         status = "OK"
         try:
             async for request in request_iterator:
+                if self.inflight >= limit:
+                    self.metrics.rpc_rejected.inc()
+                    yield pb.MatchResponse(error=pb.Error(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                                          message=busy_message(limit)))
+                    continue
                 t0 = pc()
+                self.inflight += 1
                 try:
                     if isinstance(request, Undecodable):
                         raise invalid(request.message)
-                    resp = await self._match(request)
+                    resp = await self._match(request, table=table, who=who, opened=opened)
                 except (ServiceError, CacheFullError) as e:
                     code, msg = status_of(e)
                     resp = pb.MatchResponse(error=pb.Error(code=code.value[0], message=msg))
+                finally:
+                    self.inflight -= 1
                 hist.observe(pc() - t0)
                 yield resp
         except asyncio.CancelledError:
@@ -276,10 +357,17 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
         finally:
             self._done("MatchStream", status, t_open)
+            for entry in opened.values():  # still open, under the id this stream opened it with
+                if table.take_entry(entry):
+                    self._in_background(self._release(entry))
 
-    async def _match(self, request: pb.MatchRequest, made_up: str | None = None) -> pb.MatchResponse:
+    async def _match(self, request: pb.MatchRequest, made_up: str | None = None, table: RequestTable | None = None,
+                     who: Principal = EVERYONE, opened: dict[str, Entry] | None = None) -> pb.MatchResponse:
+        """A Match by ``who``, opening its request in ``table`` (the caller's; default EVERYONE's) and noting it
+        in ``opened`` (a MatchStream's) when given."""
+        table = self.table if table is None else table
         tb = token_bytes(request.tokens, request.token_ids, self.max_tokens)
-        ns = self._ns(request.namespace)
+        ns = self._ns(request.namespace, who)
         l3 = not request.skip_l3 and self.cache.storage is not None
         if request.peek:
             if request.request_id or request.load:
@@ -291,11 +379,13 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 req = self._peek(tokens, ns, False, request.return_keys)
             return self._match_response(req, "", request.return_keys)
         if request.request_id:
-            again = await self._repeat(request)
+            again = await self._repeat(request, table)
             if again is not None:
                 return again
         rid = request.request_id or made_up or uuid.uuid4().hex
-        entry = self.table.reserve(rid)
+        entry = table.reserve(rid)
+        if opened is not None:
+            opened[rid] = entry
         if request.request_id:
             entry.opening = request
         try:
@@ -308,12 +398,12 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             # did), nothing opened: free the id. Otherwise the request is open under `rid`: the caller
             # named it and can Release it (or expiry will); an id made up here nobody can: release it now.
             if entry.request is None:
-                self.table.drop(rid)
+                table.drop(rid)
             elif not request.request_id:
-                self._orphaned(rid)
+                self._orphaned(table, rid)
             raise
         except BaseException:
-            self.table.drop(rid)
+            table.drop(rid)
             raise
         finally:
             entry.settled.set()  # wakes a repeat of this Match (see _repeat), or a Release, waiting for it
@@ -324,19 +414,19 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 await blocking(MultiHandle(loading).wait)
             except asyncio.CancelledError:
                 if not request.request_id:  # an id made up here: no reply will name it
-                    self._orphaned(rid)
+                    self._orphaned(table, rid)
                 raise
             entry.last_used = time.monotonic()
         return self._match_response(req, rid, request.return_keys)
 
-    async def _repeat(self, request: pb.MatchRequest) -> pb.MatchResponse | None:
+    async def _repeat(self, request: pb.MatchRequest, table: RequestTable | None = None) -> pb.MatchResponse | None:
         """The reply to a Match that repeats exactly the one that opened its id, with no other call on the
         id since (a client resending after the reply was lost): built from the open request as the first
         reply was, once that Match has opened it. ``None`` when ``request`` is no such repeat (or the first
         attempt failed meanwhile): the Match then goes on as usual (opens the id, or ALREADY_EXISTS)."""
         rid = request.request_id
         while True:
-            entry = self.table.repeat(rid, request)
+            entry = (self.table if table is None else table).repeat(rid, request)
             if entry is None:
                 return None
             if entry.request is not None:
@@ -378,7 +468,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     # ------------------------------------------------------------------ Prefetch
     @streaming
     async def Prefetch(self, request: pb.PrefetchRequest, context: Ctx) -> AsyncIterator[pb.PrefetchProgress]:
-        entry = self.table.get(request.request_id)
+        entry = self._table(self._who(context)).get(request.request_id)
         interval = (request.progress_interval_ms or 20) / 1000.0
         async with entry.lock:
             req = _open_request(entry, request.request_id)
@@ -411,7 +501,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     # ------------------------------------------------------------------ Allocate / Commit / Release
     @unary
     async def Allocate(self, request: pb.AllocateRequest, context: Ctx) -> pb.AllocateResponse:
-        entry = self.table.get(request.request_id)
+        entry = self._table(self._who(context)).get(request.request_id)
         # 0 pages (a prompt found whole on L1: nothing new to compute) gives none, as HiCache.alloc does
         n = page_count(request.num_pages, self.max_pages, minimum=0)
         if n == 0:
@@ -430,7 +520,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     @unary
     async def Commit(self, request: pb.CommitRequest, context: Ctx) -> pb.CommitResponse:
-        entry = self.table.get(request.request_id)
+        entry = self._table(self._who(context)).get(request.request_id)
         tb = token_bytes(request.tokens, request.token_ids, self.max_tokens)
         dev = page_indices(request.device_indices, self.num_pages)
         async with entry.lock:
@@ -468,13 +558,14 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     @unary
     async def Release(self, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
-        pending = self.table.pending(request.request_id)
+        table = self._table(self._who(context))
+        pending = table.pending(request.request_id)
         if pending is not None:
             # Its Match is still opening it (an L3 lookup, a load): most often a client whose Match reply was
             # lost. Release it as soon as it is open -- in a task of its own, shielded, so a Release cut short
             # still does. Waiting here takes no room under serve.max_concurrency: the Match it waits for
             # holds its own.
-            task = self._in_background(self._release_when_open(pending))
+            task = self._in_background(self._release_when_open(table, pending))
             self.inflight -= 1
             try:
                 released = await asyncio.shield(task)
@@ -485,18 +576,18 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                                    f"request_id {shown(request.request_id)}: its Match opened nothing, or "
                                    "another call released it meanwhile")
             return pb.ReleaseResponse()
-        entry = self.table.pop(request.request_id)
+        entry = table.pop(request.request_id)
         # shielded: the id has left the table, so a release cut short by the caller's deadline or
         # cancellation would leave the request's locks and pins for good
         await asyncio.shield(self._release(entry))
         return pb.ReleaseResponse()
 
-    async def _release_when_open(self, entry: Entry) -> bool:
+    async def _release_when_open(self, table: RequestTable, entry: Entry) -> bool:
         """Wait for the Match opening ``entry`` to end, then release what it opened; False when there is
         nothing to release (the Match failed, or another call -- a Release, or shutdown -- took the id
         meanwhile). Never raises for that: when its Release was cut short nobody would retrieve the error."""
         await entry.settled.wait()
-        if not self.table.take_entry(entry):
+        if not table.take_entry(entry):
             return False
         await self._release(entry)
         return True
@@ -540,7 +631,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             hit_tokens_l1=val("hicache_hit_tokens_total", tier="l1"),
             hit_tokens_l2=val("hicache_hit_tokens_total", tier="l2"),
             hit_tokens_l3=val("hicache_hit_tokens_total", tier="l3"),
-            open_requests=len(self.table), event_sequence=self.hub.sequence,
+            open_requests=self.open_requests, event_sequence=self.hub.sequence,
             storage_pages_written=storage.sets if storage else 0, storage_pages_read=storage.gets if storage else 0,
             storage_errors=storage.errors if storage else 0,
             storage_corrupt_pages=storage.corrupt_pages if storage else 0,
@@ -551,6 +642,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     @unary
     async def Flush(self, request: pb.FlushRequest, context: Ctx) -> pb.FlushResponse:
+        self._admin(self._who(context), "Flush")
         t = request.timeout_s
         if not math.isfinite(t) or t < 0:
             raise invalid(f"timeout_s: must be a finite number >= 0, got {t}")
@@ -570,34 +662,55 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     @unary
     async def Pin(self, request: pb.PinRequest, context: Ctx) -> pb.PinInfo:
         tb = token_bytes(request.tokens, request.token_ids, self.max_tokens)
-        ns = self._ns(request.namespace)
+        ns = self._ns(request.namespace, self._who(context))
         try:
             info = self.cache.pin(np.frombuffer(tb, dtype="<u4"), ns)
         except ValueError as e:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, str(e)) from None
+        self._pin_tenants[info.pin_id] = ns.tenant
         return self._pin_pb(info)
+
+    def _pin_visible(self, who: Principal, pin_id: int) -> bool:
+        """Whether the caller may see (and end) pin ``pin_id``: one made for a tenant it acts for."""
+        if who.every_tenant:
+            return True
+        tenant = self._pin_tenants.get(pin_id)
+        return tenant is not None and who.may_act_for(tenant)
 
     @unary
     async def Unpin(self, request: pb.UnpinRequest, context: Ctx) -> pb.PinInfo:
         try:
-            return self._pin_pb(self.cache.unpin(request.pin_id))
+            if not self._pin_visible(self._who(context), request.pin_id):
+                raise KeyError(request.pin_id)  # another tenant's pin: as if there were none
+            info = self.cache.unpin(request.pin_id)
         except KeyError:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"pin_id: no pin {request.pin_id}") from None
+        self._pin_tenants.pop(request.pin_id, None)
+        return self._pin_pb(info)
 
     @unary
     async def ListPins(self, request: pb.ListPinsRequest, context: Ctx) -> pb.ListPinsResponse:
-        return pb.ListPinsResponse(pins=[self._pin_pb(p) for p in self.cache.pins()])
+        who = self._who(context)
+        return pb.ListPinsResponse(pins=[self._pin_pb(p) for p in self.cache.pins()
+                                         if self._pin_visible(who, p.pin_id)])
 
     @unary
     async def Clear(self, request: pb.ClearRequest, context: Ctx) -> pb.ClearResponse:
+        self._admin(self._who(context), "Clear")
         l1, l2 = await blocking(self.cache.clear)
         return pb.ClearResponse(l1_pages=l1, l2_pages=l2)
 
     @streaming
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: Ctx) -> AsyncIterator[pb.Event]:
+        who = self._who(context)
         if request.max_queue > MAX_EVENT_QUEUE:
             raise invalid(f"max_queue: at most {MAX_EVENT_QUEUE}")
-        async for ev in self.hub.stream(self.cache.snapshot, request.max_queue or DEFAULT_EVENT_QUEUE):
+        events = self.hub.stream(self.cache.snapshot, request.max_queue or DEFAULT_EVENT_QUEUE)
+        if who.tenants is None:
+            async for ev in events:
+                yield ev
+            return
+        async for ev in tenant_events(events, {self.cache.ns.with_tenant(t).digest for t in who.tenants}):
             yield ev
 
     def pool_info(self) -> pb.PoolInfo:
@@ -618,6 +731,9 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     @unary
     async def Attach(self, request: pb.AttachRequest, context: Ctx) -> pb.PoolInfo:
+        if not self._who(context).every_tenant:
+            raise denied("attach: the shared L1 pool holds every tenant's pages: it needs a token for every "
+                         "tenant")
         if self.shared is None:
             raise precondition("attach: this server's L1 pool is not shared (serve.shared_pool is false)")
         info = self.pool_info()
@@ -628,7 +744,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
     @streaming
     async def ReadPages(self, request: pb.ReadPagesRequest, context: Ctx) -> AsyncIterator[pb.PageChunk]:
         tb = token_bytes(request.tokens, request.token_ids, self.max_tokens)
-        ns = self._ns(request.namespace)
+        ns = self._ns(request.namespace, self._who(context))
         # counted as a lookup once its load is under way (_load): a ReadPages refused for room counts nothing
         req = await blocking(functools.partial(self.cache.match, defer_count=True), np.frombuffer(tb, dtype="<u4"),
                              ns)
@@ -681,7 +797,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             raise invalid("write pages: empty stream")
         if len(buf) != limit:
             raise invalid(f"data: {len(buf)} bytes, pages {header.first_page}.. need {limit}")
-        ns = self._ns(header.namespace)
+        ns = self._ns(header.namespace, self._who(context))
         return await blocking(self._write_pages, tb, ns, header.first_page, bytes(buf))
 
     def _write_pages(self, tb: bytes, ns: Any, first: int, data: bytes) -> pb.CommitResponse:

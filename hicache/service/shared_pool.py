@@ -21,7 +21,7 @@ from multiprocessing import shared_memory
 import torch
 
 from hicache.layout import KVLayout
-from hicache.pool import DevicePool
+from hicache.pool import DevicePool, reserve_host_memory
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 
 log = logging.getLogger("hicache.service")
@@ -43,9 +43,11 @@ class SharedPool:
             self.kind = "cuda_ipc"
         else:
             name = f"hicache-{os.getpid()}-{secrets.token_hex(4)}"
+            # a new segment reads as zeros and takes memory only as its pages are written: no fill here
+            # (zeroing 8 GiB page by page took 15 s of start-up), and counted as host memory still to come
             self._shm = shared_memory.SharedMemory(name=name, create=True, size=self.nbytes)
+            reserve_host_memory(self._shm, self.nbytes)
             buf = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=self.nbytes)
-            buf.zero_()
             self.kind = "shm"
         self.pool = DevicePool.from_buffer(layout, num_pages, buf)
 

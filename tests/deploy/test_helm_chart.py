@@ -155,7 +155,8 @@ def test_schema_config_properties_match_hicache_config() -> None:
     from hicache.config import _SECTIONS
 
     owned = {"cache": {"device"}, "storage": {"url"},
-             "serve": {"host", "port", "metrics_port", "auth_token", "tls_cert", "tls_key", "tls_client_ca"}}
+             "serve": {"host", "port", "metrics_port", "auth_token", "tls_cert", "tls_key", "tls_client_ca",
+                       "metrics_host", "metrics_token", "metrics_tls", "auth_tokens_file"}}
     schema = json.loads((CHART / "values.schema.json").read_text())
     props = schema["properties"]["config"]["properties"]
     assert set(props) == set(_SECTIONS)

@@ -99,6 +99,8 @@ OFF_DASHBOARD = {
     "hicache_tenant_pages": "per tenant: docs/metrics.md's tenant-share query",
     "hicache_tenant_share": "per tenant: docs/metrics.md's tenant-share query",
     "hicache_transfer_submit_seconds": "docs/transfers.md's host-bound question",
+    "hicache_writeback_retry_dropped_pages": "only an L3 outage longer than the retry queue holds moves it: "
+                                             "docs/metrics.md's writeback question",
     "hicache_router_resyncs": "rare by nature: the node-health panel shows a node out of sync",
     "hicache_router_routes_expired": "an alert (HicacheRouterRoutesExpiring) rather than a panel",
 }

@@ -267,8 +267,8 @@ def test_a_made_up_id_whose_match_reply_is_lost_is_released() -> None:
             toks = np.arange(1, 8 * PS + 1, dtype=np.uint32)
             real = node.servicer._match
 
-            async def reply_held_up(request: Any, *made_up: str) -> Any:
-                resp = await real(request, *made_up)
+            async def reply_held_up(request: Any, *args: Any, **kw: Any) -> Any:
+                resp = await real(request, *args, **kw)
                 await asyncio.sleep(1.0)  # the request is open; its reply is late
                 return resp
 

@@ -316,6 +316,7 @@ class Fuzzer:
                 m.peek, m.load = True, False
         replies = call(iter([m if isinstance(m, bytes) else m.SerializeToString() for m in reqs]), timeout=CALL_S)
         got = 0
+        opened: list[str] = []  # ids this stream opened: the node releases them when the stream ends
         try:
             for resp in replies:
                 m = reqs[got]
@@ -328,7 +329,11 @@ class Fuzzer:
                 elif isinstance(m, bytes):
                     raise AssertionError("MatchStream: undecodable bytes were answered as a match")
                 else:
+                    with self.lock:
+                        fresh = not m.peek and (not m.request_id or m.request_id not in self.open)
                     self._after_match(m, C.OK, resp, "MatchStream")
+                    if fresh:
+                        opened.append(resp.request_id)
                 if cut is not None and got > cut:
                     replies.cancel()
                     break
@@ -341,6 +346,10 @@ class Fuzzer:
                         self.uncertain.add(m.request_id)
         elif cut is None:
             assert got == n, f"MatchStream: {n} requests, {got} replies"
+        with self.lock:  # released by the node once it sees the stream end: soon, not necessarily yet
+            for rid in opened:
+                if self.open.pop(rid, None) is not None:
+                    self.uncertain.add(rid)
 
     # ------------------------------------------------------------------ Allocate / Commit / Release
     def _named(self, rid: str) -> Open | None:

@@ -6,7 +6,7 @@ import json
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -16,10 +16,11 @@ from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from hicache.client import HiCacheClient, RetryPolicy
+from hicache.client import CallError, HiCacheClient, RetryPolicy
 from hicache.config import config_from_dict
 from hicache.keys import page_keys
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
+from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache.storage.base import StorageContext, create_backend
 
 from .service_harness import ServerProc, free_port, serve_prompt
@@ -156,11 +157,30 @@ def test_concurrency_limit_metrics_health_reflection(server_factory: Callable[..
         next(iter(events))  # an event subscription is not counted against the bound ...
         assert c.match(toks, peek=True).num_pages == 4
         stream = c.match_stream()
-        assert stream.match(toks, peek=True).num_pages == 4  # ... a match stream is: one RPC in flight now
-        with pytest.raises(grpc.RpcError) as ei:
-            c.match(toks, peek=True)
-        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "max_concurrency" in ei.value.details()
+        assert stream.match(toks, peek=True).num_pages == 4  # ... nor is an idle match stream (its messages are)
+        assert c.match(toks, peek=True).num_pages == 4
+        hold = threading.Event()
+
+        def header_then_wait() -> Iterator[pb.WritePagesChunk]:
+            yield pb.WritePagesChunk(header=pb.WritePagesHeader(tokens=toks.tobytes()))
+            hold.wait(10)
+
+        writing = pb_grpc.HiCacheStub(c.channel).WritePages.future(header_then_wait(), timeout=10)
+        deadline = time.monotonic() + 5
+        while True:  # a WritePages waiting for its pages' bytes is one RPC in flight
+            try:
+                c.match(toks, peek=True)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "max_concurrency" in e.details()
+                break
+            assert time.monotonic() < deadline, "the waiting WritePages never took the one slot"
+            time.sleep(0.02)
+        with pytest.raises(CallError) as si:  # and a stream's message finds no room either, the stream goes on
+            stream.match(toks, peek=True)
+        assert si.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        hold.set()
+        writing.cancel()
         stream.close()
         events.close()  # type: ignore[attr-defined]
         deadline = time.monotonic() + 5

@@ -94,12 +94,12 @@ def test_redis_dying_mid_run_never_breaks_a_request_and_l3_returns() -> None:
     r = LocalRedis().start()
     cache = cache_for(r.url, FAST_FAIL, prefetch_policy="timeout", prefetch_timeout_base_s=0.5)
     try:
-        docs = [list(range(1000 * d, 1000 * d + 32)) for d in range(6)]
+        docs = [list(range(1000 * d, 1000 * d + 32)) for d in range(7)]
         for i, d in enumerate(docs[:3]):
             commit_fresh(cache, d, seed=30 + i)
         cache.flush(10)
         r.kill()  # the store dies
-        for i, d in enumerate(docs):  # serving goes on: L1/L2 hits for the first docs, misses elsewhere
+        for i, d in enumerate(docs[:6]):  # serving goes on: L1/L2 hits for the first docs, misses elsewhere
             req, load = serve(cache, [*d, 7, 7, 7, 7], seed=40 + i)
             if i < 3:
                 assert req.l1_pages + req.l2_pages == 8
@@ -115,21 +115,22 @@ def test_redis_dying_mid_run_never_breaks_a_request_and_l3_returns() -> None:
         cache.stats()
         assert metric(cache, "hicache_storage_errors_total") >= 1
 
-        r.start()  # back (empty: no persistence)
+        r.start()  # back (empty: no persistence); docs[6] is new (what the outage served waits on L2
+        # for its retry, tests/storage/test_writeback_retry.py)
         time.sleep(0.3)  # past the breaker's cooldown
-        kv = commit_fresh(cache, docs[5], seed=50)
+        kv = commit_fresh(cache, docs[6], seed=50)
         deadline = time.monotonic() + 5
         while True:
             rep = cache.flush(5)
-            req = cache.match(docs[5], l3=False)
+            req = cache.match(docs[6], l3=False)
             cache.release(req)
             if rep is not None and cache.storage is not None and cache.storage.batch_exists(req.keys) == 8:
                 break
             assert time.monotonic() < deadline, "writes did not resume after the store came back"
-            commit_fresh(cache, docs[5], seed=50)
+            commit_fresh(cache, docs[6], seed=50)
             time.sleep(0.05)
         cache.evict(l1_pages=64, l2_pages=64)
-        req = cache.match(docs[5])
+        req = cache.match(docs[6])
         assert req.l3_pages == 8
         cache.prefetch(req)
         load = cache.load_back(req)

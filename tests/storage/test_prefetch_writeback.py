@@ -260,6 +260,8 @@ def test_writeback_block_waits_for_room_or_times_out() -> None:
 
 
 def test_flush_reports_pages_the_store_refused() -> None:
+    """Refused pages are failed in the report; the caller keeps them pinned while they wait for a retry
+    (tests/storage/test_writeback_retry.py), and close hands them back."""
     store = SlowStore()
     store.refuse = True
     wb = Writeback(store, wb_pool(), max_pages=100, batch_pages=4)
@@ -267,7 +269,20 @@ def test_flush_reports_pages_the_store_refused() -> None:
     assert wb.submit(page_keys(6, "refuse"), np.arange(6), got.append)
     rep = wb.flush(5)
     assert (rep.written_pages, rep.failed_pages) == (0, 6) and not rep.complete
-    assert got == [0]
+    assert got == [] and wb.retrying_pages == 6
+    rep = wb.close(0)
+    assert got == [0] and (rep.written_pages, rep.failed_pages, rep.pending_pages) == (0, 0, 6)
+
+
+def test_without_retries_refused_pages_are_handed_back_at_once() -> None:
+    store = SlowStore()
+    store.refuse = True
+    wb = Writeback(store, wb_pool(), max_pages=100, batch_pages=4, retry_pages=0)
+    got: list[int] = []
+    assert wb.submit(page_keys(6, "refuse0"), np.arange(6), got.append)
+    rep = wb.flush(5)
+    assert (rep.written_pages, rep.failed_pages) == (0, 6) and not rep.complete
+    assert got == [0] and wb.retrying_pages == 0
     wb.close()
 
 

@@ -81,6 +81,20 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{/* The /metrics bearer token: as hicache.authToken, under the Secret's key metrics-token. */}}
+{{- define "hicache.metricsToken" -}}
+{{- if .Values.metrics.auth.token }}{{ .Values.metrics.auth.token }}
+{{- else }}
+{{- $cached := index (.Values.__generated | default dict) "metricsToken" }}
+{{- if $cached }}{{ $cached }}
+{{- else }}
+{{- $v := include "hicache.secret.existing" (dict "ctx" . "key" "metrics-token") | default (randAlphaNum 40) }}
+{{- $_ := set .Values "__generated" (merge (dict "metricsToken" $v) (.Values.__generated | default dict)) }}
+{{- $v }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "hicache.redisPassword" -}}
 {{- if .Values.redis.auth.password }}{{ .Values.redis.auth.password }}
 {{- else }}
@@ -97,6 +111,10 @@ app.kubernetes.io/component: {{ .component }}
 {{/* Secret name + key holding the auth token / redis password / external storage URL. */}}
 {{- define "hicache.authToken.secretName" -}}{{ .Values.auth.existingSecret | default (include "hicache.secret.name" .) }}{{- end }}
 {{- define "hicache.authToken.secretKey" -}}{{ ternary .Values.auth.existingSecretKey "auth-token" (ne .Values.auth.existingSecret "") }}{{- end }}
+{{- define "hicache.metricsToken.secretName" -}}{{ .Values.metrics.auth.existingSecret | default (include "hicache.secret.name" .) }}{{- end }}
+{{- define "hicache.metricsToken.secretKey" -}}{{ ternary .Values.metrics.auth.existingSecretKey "metrics-token" (ne .Values.metrics.auth.existingSecret "") }}{{- end }}
+{{/* Whether the nodes' /metrics wants a bearer token. */}}
+{{- define "hicache.metrics.auth" -}}{{ if and .Values.metrics.enabled .Values.metrics.auth.enabled }}true{{ end }}{{- end }}
 {{- define "hicache.redisPassword.secretName" -}}{{ .Values.redis.auth.existingSecret | default (include "hicache.secret.name" .) }}{{- end }}
 {{- define "hicache.redisPassword.secretKey" -}}{{ ternary .Values.redis.auth.existingSecretKey "redis-password" (ne .Values.redis.auth.existingSecret "") }}{{- end }}
 {{- define "hicache.storageUrl.secretName" -}}{{ .Values.externalStorage.existingSecret | default (include "hicache.secret.name" .) }}{{- end }}
@@ -104,7 +122,7 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* Whether the chart's own Secret has anything to hold. */}}
 {{- define "hicache.secret.needed" -}}
-{{- if or (and .Values.auth.enabled (not .Values.auth.existingSecret)) (and .Values.redis.enabled .Values.redis.auth.enabled (not .Values.redis.auth.existingSecret)) (and (not .Values.redis.enabled) .Values.externalStorage.url (not .Values.externalStorage.existingSecret)) }}true{{ end }}
+{{- if or (and .Values.auth.enabled (not .Values.auth.existingSecret)) (and (include "hicache.metrics.auth" .) (not .Values.metrics.auth.existingSecret)) (and .Values.redis.enabled .Values.redis.auth.enabled (not .Values.redis.auth.existingSecret)) (and (not .Values.redis.enabled) .Values.externalStorage.url (not .Values.externalStorage.existingSecret)) }}true{{ end }}
 {{- end }}
 
 {{/* Storage ------------------------------------------------------------------------------------- */}}
@@ -143,6 +161,13 @@ app.kubernetes.io/component: {{ .component }}
       name: {{ include "hicache.authToken.secretName" . }}
       key: {{ include "hicache.authToken.secretKey" . }}
 {{- end }}
+{{- if include "hicache.metrics.auth" . }}
+- name: HICACHE_SERVE__METRICS_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "hicache.metricsToken.secretName" . }}
+      key: {{ include "hicache.metricsToken.secretKey" . }}
+{{- end }}
 {{- if .Values.redis.enabled }}
 {{- if .Values.redis.auth.enabled }}
 - name: HICACHE_REDIS_PASSWORD
@@ -164,7 +189,8 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* Config -------------------------------------------------------------------------------------- */}}
 
-{{/* hicache.yaml: values.config plus what the chart owns (listen address, ports, device, TLS paths). */}}
+{{/* hicache.yaml: values.config plus what the chart owns (listen addresses, ports, device, TLS paths, the
+tokens file's path). */}}
 {{- define "hicache.config" -}}
 {{- $c := deepCopy .Values.config }}
 {{- $serve := merge (dict
@@ -172,6 +198,14 @@ app.kubernetes.io/component: {{ .component }}
     "port" (int .Values.node.port)
     "metrics_port" (ternary (int .Values.metrics.port) 0 .Values.metrics.enabled)
   ) ($c.serve | default dict) }}
+{{- if .Values.metrics.enabled }}
+{{- /* Prometheus scrapes the pod's address: hicache's own default, loopback, would serve nobody */}}
+{{- $_ := set $serve "metrics_host" "0.0.0.0" }}
+{{- if .Values.metrics.tls }}{{ $_ := set $serve "metrics_tls" true }}{{ end }}
+{{- end }}
+{{- if .Values.auth.tokensFileSecret }}
+{{- $_ := set $serve "auth_tokens_file" "/etc/hicache/auth/tokens.yaml" }}
+{{- end }}
 {{- if .Values.tls.enabled }}
 {{- $_ := set $serve "tls_cert" "/etc/hicache/tls/tls.crt" }}
 {{- $_ := set $serve "tls_key" "/etc/hicache/tls/tls.key" }}
@@ -356,6 +390,12 @@ password as PASSWORD; STORAGE_URL for an external store (its URL is in the Secre
 {{- if and .Values.metrics.enabled (eq (int .Values.metrics.port) (int .Values.node.port)) }}
 {{- fail "metrics.port and node.port must differ" }}
 {{- end }}
+{{- if and .Values.metrics.enabled .Values.metrics.tls (not .Values.tls.enabled) }}
+{{- fail "metrics.tls=true serves the nodes' /metrics with the certificate of tls.secretName: set tls.enabled=true (and tls.secretName) too" }}
+{{- end }}
+{{- if and .Values.auth.tokensFileSecret (not .Values.auth.enabled) }}
+{{- fail "auth.tokensFileSecret maps tokens to tenants on the nodes: set auth.enabled=true too (its token is the router's towards the nodes, an admin token)" }}
+{{- end }}
 {{- $sm := .Values.metrics.serviceMonitor }}
 {{- if and .Values.metrics.enabled $sm.enabled $sm.interval $sm.scrapeTimeout (gt (int (include "hicache.durationMs" $sm.scrapeTimeout)) (int (include "hicache.durationMs" $sm.interval))) }}
 {{- fail (printf "metrics.serviceMonitor.scrapeTimeout (%s) must not exceed metrics.serviceMonitor.interval (%s): Prometheus refuses such a scrape config" $sm.scrapeTimeout $sm.interval) }}
@@ -414,4 +454,13 @@ password as PASSWORD; STORAGE_URL for an external store (its URL is in the Secre
 {{- end }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* A ServiceMonitor endpoint's bearer token: the nodes' metrics token from its Secret. */}}
+{{- define "hicache.serviceMonitor.authorization" -}}
+authorization:
+  type: Bearer
+  credentials:
+    name: {{ include "hicache.metricsToken.secretName" . }}
+    key: {{ include "hicache.metricsToken.secretKey" . }}
 {{- end }}

@@ -26,6 +26,9 @@ metadata:
     prometheus.io/scrape: "true"
     prometheus.io/port: {{ .Values.metrics.port | quote }}
     prometheus.io/path: /metrics
+    {{- if .Values.metrics.tls }}
+    prometheus.io/scheme: https
+    {{- end }}
     {{- end }}
     {{- with $n.podAnnotations }}
     {{- toYaml . | nindent 4 }}
@@ -124,6 +127,11 @@ spec:
           mountPath: /etc/hicache/tls
           readOnly: true
         {{- end }}
+        {{- if .Values.auth.tokensFileSecret }}
+        - name: auth-tokens
+          mountPath: /etc/hicache/auth
+          readOnly: true
+        {{- end }}
         {{- with $n.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -147,6 +155,14 @@ spec:
     - name: tls
       secret:
         secretName: {{ .Values.tls.secretName }}
+    {{- end }}
+    {{- if .Values.auth.tokensFileSecret }}
+    - name: auth-tokens
+      secret:
+        secretName: {{ .Values.auth.tokensFileSecret }}
+        items:
+          - key: {{ .Values.auth.tokensFileKey }}
+            path: tokens.yaml
     {{- end }}
     {{- with $n.extraVolumes }}
     {{- toYaml . | nindent 4 }}
