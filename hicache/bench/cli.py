@@ -29,7 +29,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from hicache.bench.errors import BenchInputError
 from hicache.bench.units import parse_size
