@@ -1,15 +1,22 @@
 """The documentation says what the code does.
 
-- README's Python snippets run as written (the library one on an in-process CPU cache through L1, L2 and
-  L3; the client one against a real ``hicache serve``; the engine one on CPU, with a tiny model in place of
-  the 8B one), and its grpcurl payloads are requests the node accepts;
-- every ``hicache`` command line of README (and the examples of each ``--help``) parses with the real
-  parser, and every default a ``--help`` states is the parser's;
-- the configuration fields and defaults README names are the dataclasses' (every field is named), and
-  the lists of policies, backends, layouts, transfer options, RPCs, metrics and alerts are the code's;
-- the Quick start is what CI runs, and "Layout of the code" is the tree.
+README is what a new user needs; the rest lives in ``docs/``. These checks hold the two to the code:
 
-Each check fails when a documented key, default or name drifts from the code.
+- README's commands run: the Quick start is what CI runs, every ``hicache`` command line of README and
+  ``docs/`` (and the examples of each ``--help``) parses with the real parser, every default a ``--help``
+  states is the parser's; README's Python snippets run as written (the library one on an in-process CPU
+  cache through L1, L2 and L3; the client one against a real ``hicache serve``) and its grpcurl payloads
+  are requests the node accepts; the engine snippet of ``docs/library.md`` runs on CPU;
+- every configuration field (the dataclasses of :mod:`hicache.config` and the router's, enumerated) is
+  documented in ``docs/``: ``docs/configuration.md`` has one row per field with the field's default, and
+  every transfer option and store option is named with its default;
+- the lists of policies, backends, layouts, transfer options, RPCs, metrics and alerts the docs give are
+  the code's, and the code layout table of ``docs/architecture.md`` is the tree;
+- every link of README, ``docs/`` and ``benchmarks/results/*/README.md`` (and every repository path they
+  quote) resolves to a file that exists, anchors included.
+
+Each check fails when a documented key, default, name or link drifts from the code. None requires README
+to hold everything: a fact may live in any page of ``docs/``.
 """
 
 from __future__ import annotations
@@ -36,7 +43,12 @@ from hicache.config import HiCacheConfig, config_from_dict, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
-METRICS_DOC = (REPO / "docs" / "metrics.md").read_text()
+DOCS = {p.name: p.read_text() for p in sorted((REPO / "docs").glob("*.md"))}
+METRICS_DOC = DOCS["metrics.md"]
+CONFIG_DOC = DOCS["configuration.md"]
+TUNING = DOCS["tuning.md"]
+ALL_DOCS = " ".join(DOCS.values())
+FLAT = " ".join((README + "\n" + ALL_DOCS).split())  # README and every page of docs/, whitespace folded
 
 
 # --- reading the docs ----------------------------------------------------------------------------------------
@@ -111,9 +123,10 @@ def test_quick_start_is_what_ci_runs() -> None:
     assert "redis-server" in install and "prometheus" in install and "download.pytorch.org/whl/cpu" in install
 
 
-def readme_commands() -> list[list[str]]:
+def commands_of(text: str) -> list[list[str]]:
+    """The ``hicache`` command lines of ``text``'s bash blocks (continuations joined, ``&&`` split)."""
     out = []
-    for block in blocks(README, "bash"):
+    for block in blocks(text, "bash"):
         for line in block.replace("\\\n", " ").splitlines():
             for part in line.split("&&"):
                 argv = shlex.split(part, comments=True)
@@ -134,8 +147,10 @@ def help_examples(name: str) -> list[list[str]]:
 
 
 def test_every_command_line_shown_parses() -> None:
-    commands = readme_commands()
+    commands = commands_of(README)
     assert {c[0] for c in commands} >= {"bench", "doctor", "serve", "route"}
+    for text in DOCS.values():
+        commands += commands_of(text)
     for name in SUBCOMMANDS:
         examples = help_examples(name)
         assert examples, f"hicache {name} --help shows no example"
@@ -186,29 +201,79 @@ def test_help_texts_carry_no_docstring_markup() -> None:
 CONFIG = section(README, "Configuration")
 
 
-def documented_defaults() -> dict[tuple[str, str], Any]:
-    """``section.field: value`` pairs of the paragraph after README's config example."""
-    text = paragraph(CONFIG, "That is a GPU node's file")
-    return {(s, f): yaml.safe_load(v) for s, f, v in re.findall(r"`(\w+)\.(\w+): ([^`]*)`", text)}
+def config_fields() -> dict[str, Any]:
+    """Every configuration field as ``section.field`` -> its default: the node's sections and the router's."""
+    from hicache.router.config import RouterConfig
 
-
-def test_config_example_loads_and_every_field_and_default_is_documented() -> None:
-    (example,) = blocks(CONFIG, "yaml")
-    data = yaml.safe_load(example)
-    config_from_dict(data)  # an unknown field or a bad value raises
     default = HiCacheConfig()
-    documented = documented_defaults()
-    assert documented
-    for (sec, name), value in documented.items():
-        assert getattr(getattr(default, sec), name) == value, f"README: {sec}.{name}: {value!r}"
+    out: dict[str, Any] = {}
     for sec in hconfig._SECTIONS:
         for f in dataclasses.fields(getattr(default, sec)):
-            actual = getattr(getattr(default, sec), f.name)
-            if f.name in data[sec]:
-                if data[sec][f.name] != actual:  # "where the defaults differ from the file above"
-                    assert (sec, f.name) in documented, f"README: the default of {sec}.{f.name} is not given"
-            else:
-                assert (sec, f.name) in documented, f"README: {sec}.{f.name} is named nowhere"
+            out[f"{sec}.{f.name}"] = getattr(getattr(default, sec), f.name)
+    router = RouterConfig()
+    for f in dataclasses.fields(RouterConfig):
+        out[f"router.{f.name}"] = getattr(router, f.name)
+    return out
+
+
+def reference_rows(text: str) -> dict[str, str]:
+    """``name -> default cell`` of the tables of ``text`` whose first cells are backticked names (a cell
+    naming several, ``a`, `b`, gives each the same default)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| `") or len(cells) < 3:
+            continue
+        for name in ticked(cells[0]):
+            out[name] = cells[1]
+    return out
+
+
+def cell_value(cell: str, like: Any) -> Any:
+    """The value of a default cell (one backticked value: YAML, or the text itself where the default is a
+    string; ``""`` is the empty string)."""
+    m = re.fullmatch(r"`([^`]*)`", cell)
+    assert m, f"a default cell is one backticked value, got {cell!r}"
+    if isinstance(like, str):
+        return "" if m.group(1) == '""' else m.group(1)
+    return yaml.safe_load(m.group(1))
+
+
+def test_config_example_loads() -> None:
+    (example,) = blocks(CONFIG, "yaml")
+    config_from_dict(yaml.safe_load(example))  # an unknown field or a bad value raises
+
+
+def test_every_config_field_is_documented_with_its_default() -> None:
+    fields = config_fields()
+    assert len(fields) > 60
+    for name in fields:  # somewhere in docs/, by its dotted name
+        assert f"`{name}`" in ALL_DOCS, f"docs/: the configuration field {name} is documented nowhere"
+    rows = {k: v for k, v in reference_rows(CONFIG_DOC).items() if "." in k}
+    assert set(rows) == set(fields), (f"docs/configuration.md: missing {sorted(set(fields) - set(rows))}, "
+                                      f"not fields {sorted(set(rows) - set(fields))}")
+    for name, cell in rows.items():
+        expected = fields[name]
+        assert cell_value(cell, expected) == expected, f"docs/configuration.md: {name}: {cell}, default {expected!r}"
+
+
+def test_every_store_option_is_documented_with_its_default() -> None:
+    from hicache.storage.file_backend import FileBackend
+    from hicache.storage.redis_options import RedisOptions
+
+    rows = reference_rows(section(CONFIG_DOC, "`storage.options`, per store"))
+    redis = {f.name: f.default for f in dataclasses.fields(RedisOptions)}
+    sig = inspect.signature(FileBackend.__init__).parameters
+    file = {n: p.default for n, p in sig.items()
+            if p.kind is p.POSITIONAL_OR_KEYWORD and n not in ("self", "url", "ctx", "filesystem")}
+    for name in {**redis, **file}:
+        assert name in rows, f"docs/configuration.md: the store option {name} is not documented"
+    redis_table, file_table = section(CONFIG_DOC, "`storage.options`, per store").split("| file store option |")
+    for table, options in ((redis_table, redis), ("| file store option |" + file_table, file)):
+        for name, cell in reference_rows(table).items():
+            assert name in options, f"docs/configuration.md: {name} is not a store option"
+            default = options[name]
+            assert cell_value(cell, default) == default, f"docs/configuration.md: {name}: {cell}, default {default!r}"
 
 
 def test_defaults_named_in_prose() -> None:
@@ -217,9 +282,8 @@ def test_defaults_named_in_prose() -> None:
     from hicache.router.config import RouterConfig
     from hicache.service.server import STORAGE_PROBE_S
 
-    flat = " ".join(README.split())
     c, s = HiCacheConfig().cache, HiCacheConfig().storage
-    facts = {  # phrase of README -> does the code agree
+    facts = {  # phrase of README or docs/ -> does the code agree
         f"`{c.write_policy}` (default)": True,
         f"`{c.eviction_policy}` (default:": True,
         f"`{c.host_layout}` (default:": True,
@@ -235,13 +299,15 @@ def test_defaults_named_in_prose() -> None:
         f"A node checks every {STORAGE_PROBE_S:g} s that its store answers": True,
         "16 pages of 4 KiB pieces": default_block_pages(4096) == 16,
         "the bearer token comes from `HICACHE_TOKEN`": True,
+        f"(`timeout` policy: {s.prefetch_timeout_base_s:g} s + {s.prefetch_timeout_per_1k_tokens_s:g} s per 1k "
+        f"tokens, capped at {s.prefetch_timeout_max_s:g} s": True,
     }
     for phrase, agrees in facts.items():
-        assert phrase in flat, f"README no longer says: {phrase}"
-        assert agrees, f"README says {phrase!r}, the code does not"
+        assert phrase in FLAT, f"README and docs/ no longer say: {phrase}"
+        assert agrees, f"the docs say {phrase!r}, the code does not"
     status = {a.dest: a.default for a in subparser("status")._actions}
     assert status["token_env"] == "HICACHE_TOKEN"
-    assert "`HICACHE_CACHE__WRITE_POLICY=write_back`" in flat
+    assert "`HICACHE_CACHE__WRITE_POLICY=write_back`" in " ".join(README.split())
     assert load_config(env={"HICACHE_CACHE__WRITE_POLICY": "write_back"}).cache.write_policy == "write_back"
     # the example of config.py's docstring: an environment variable's error starts with that variable
     with pytest.raises(hconfig.ConfigError) as e:
@@ -255,22 +321,25 @@ def test_named_choices_are_the_codes() -> None:
     from hicache.router.scoring import policy_names as route_policies
     from hicache.storage.base import _BACKENDS, _LAZY
 
-    flat = " ".join(README.split())
     plain = lambda ws: {w for w in ws if re.fullmatch(r"[a-z][a-z0-9_]*", w)}  # noqa: E731
-    writes = {r[0].strip("`").split("`")[0] for r in table_rows(section(README, "Write and eviction policies"))}
+    writes = {r[0].strip("`").split("`")[0] for r in table_rows(section(TUNING, "Write policies"))}
     assert writes == set(hconfig.WRITE_POLICIES)
-    evictions = paragraph(README, "`cache.eviction_policy` picks the order")
+    evictions = paragraph(DOCS["eviction.md"], "`cache.eviction_policy` picks the order")
     assert plain(ticked(evictions)) == set(policy_names())
-    io = paragraph(CONFIG, "`cache.io_backend` picks how")
+    chosen = {r[0].strip("`") for r in table_rows(section(DOCS["eviction.md"], "Choosing an eviction policy"))}
+    assert chosen == set(policy_names())
+    io = paragraph(TUNING, "`cache.io_backend` picks how")
     assert plain(ticked(io)) == set(hconfig.IO_BACKENDS)
-    layouts = paragraph(CONFIG, "`cache.host_layout` lays out L2")
+    layouts = paragraph(TUNING, "`cache.host_layout` lays out L2")
     assert plain(ticked(layouts)) & {"page_first", "layer_first", "block_first"} == set(HOST_LAYOUTS)
-    assert "with the same `best_effort`, `wait_complete`, `timeout`" in flat
+    assert "with the same `best_effort`, `wait_complete`, `timeout`" in FLAT
     assert set(hconfig.PREFETCH_POLICIES) == {"best_effort", "wait_complete", "timeout"}
     routing = paragraph(section(README, "Routing: `hicache route`"), "The router keeps")
     assert plain(ticked(routing.split("Policies:")[1])) == set(route_policies())
     schemes = set(_BACKENDS) | set(_LAZY)
-    for url in re.findall(r"`([a-z0-9+]+)://", section(README, "L3 stores")):
+    urls = re.findall(r"`([a-z0-9+]+)://", section(DOCS["storage.md"], "L3 stores"))
+    assert urls
+    for url in urls:
         assert url in schemes, url
 
 
@@ -279,7 +348,7 @@ def test_transfer_options_table_is_the_engines_defaults() -> None:
     from hicache.transfer import cuda_kernels, cuda_tuning
     from hicache.transfer.cuda import CudaTransferEngine
 
-    text = CONFIG.split("`cache.transfer_options` tunes the GPU engine:", 1)[1].split("\n\n", 1)[1].split("\n\n")[0]
+    text = TUNING.split("`cache.transfer_options` tunes the GPU engine:", 1)[1].split("\n\n", 1)[1].split("\n\n")[0]
     cells: dict[str, str] = {}
     for row in table_rows(text):
         names = [n.strip().strip("`") for n in row[0].split(",")]
@@ -287,37 +356,37 @@ def test_transfer_options_table_is_the_engines_defaults() -> None:
         assert len(values) == len(names), row
         cells.update(zip(names, values, strict=True))
     sig = inspect.signature(CudaTransferEngine.__init__).parameters
-    t = cuda_tuning
-    expected = {
-        "ce_min_copy_bytes": str(sig["ce_min_copy_bytes"].default),
-        "stagger_ways": str(sig["stagger_ways"].default),
-        "staging_bytes": f"{sig['staging_bytes'].default >> 20} MiB",
-        "backup_streams": str(sig["backup_streams"].default),
-        "load_streams": str(sig["load_streams"].default),
-        "stage_lanes": f"{t.STAGE_LANES} where `CUDA_DEVICE_MAX_CONNECTIONS` >= {t.WIDE_QUEUES}, else 1",
-        "backup_slots": f"{t.WIDE_BACKUP_SLOTS} with lanes, else {t.STAGE_SLOTS}",
-        "stage_blocks": str(sig["stage_blocks"].default),
-        "submit_ahead": str(sig["submit_ahead"].default),
-        "load_head_layers": str(sig["load_head_layers"].default),
-        "head_blocks": str(sig["head_blocks"].default),
-        "staged_kernel": f"`{sig['staged_kernel'].default}`",
-        "block_staging": f"`{sig['block_staging'].default}`",
-        "blocks": str(cuda_kernels.DEFAULT_BLOCKS),
-        "threads": str(sig["threads"].default),
-        "layer_signal": f"`{sig['layer_signal'].default}`",
-    }
-    assert cells == expected
-    assert sig["stage_lanes"].default is None and sig["backup_slots"].default is None  # the derived ones
-    assert sig["blocks"].default is None and cuda_kernels.DEFAULT_LOAD_BLOCKS == cuda_kernels.DEFAULT_BLOCKS
-    assert set(hconfig.TRANSFER_OPTIONS) == set(cells) | {"resident_blocks"}
     assert set(hconfig.TRANSFER_OPTIONS) <= set(sig)
+    t = cuda_tuning
+    derived = {  # options whose default (None) the engine derives: what the table says of them
+        "stage_lanes": f"{getattr(t, 'STAGE_LANES', None)} where `CUDA_DEVICE_MAX_CONNECTIONS` >= "
+                       f"{getattr(t, 'WIDE_QUEUES', None)}, else 1",
+        "backup_slots": f"{getattr(t, 'WIDE_BACKUP_SLOTS', None)} with lanes, else {getattr(t, 'STAGE_SLOTS', None)}",
+        "blocks": str(cuda_kernels.DEFAULT_BLOCKS),
+    }
+    for name, cell in cells.items():
+        assert name in hconfig.TRANSFER_OPTIONS, f"docs/tuning.md: {name} is not a transfer option"
+        default = sig[name].default
+        if default is None:
+            assert name in derived and cell == derived[name], f"docs/tuning.md: {name}: {cell}"
+        elif isinstance(default, str):
+            assert cell == f"`{default}`", f"docs/tuning.md: {name}: {cell}, default {default!r}"
+        elif cell.endswith(" MiB"):
+            assert int(cell.split()[0]) << 20 == default, f"docs/tuning.md: {name}: {cell}, default {default}"
+        else:
+            assert cell == str(default), f"docs/tuning.md: {name}: {cell}, default {default}"
     flat = " ".join(text.split())
-    assert f"`resident_blocks` SMs (default {sig['resident_blocks'].default})" in flat
-    assert f"({t.LOAD_SLOT_BYTES >> 20} MiB each)" in flat
-    assert f"backups gather on at most {t.BACKUP_LANES}" in flat
-    assert (f"`hicache` sets `CUDA_DEVICE_MAX_CONNECTIONS={cli.CUDA_QUEUES}` and "
-            f"`CUDA_SCALE_LAUNCH_QUEUES={cli.CUDA_LAUNCH_QUEUES}` at start unless the environment does") in flat
-    assert int(cli.CUDA_QUEUES) >= t.WIDE_QUEUES
+    for name in set(hconfig.TRANSFER_OPTIONS) - set(cells):  # named in a row's prose, with its default
+        assert f"`{name}` SMs (default {sig[name].default})" in flat, f"docs/tuning.md: {name} is not documented"
+    if "blocks" in cells:
+        assert cuda_kernels.DEFAULT_LOAD_BLOCKS == cuda_kernels.DEFAULT_BLOCKS
+    if "staging_bytes" in cells:
+        assert f"({t.LOAD_SLOT_BYTES >> 20} MiB each)" in flat
+    if "stage_lanes" in cells:
+        assert f"backups gather on at most {t.BACKUP_LANES}" in flat
+        assert (f"`hicache` sets `CUDA_DEVICE_MAX_CONNECTIONS={cli.CUDA_QUEUES}` and "
+                f"`CUDA_SCALE_LAUNCH_QUEUES={cli.CUDA_LAUNCH_QUEUES}` at start unless the environment does") in flat
+        assert int(cli.CUDA_QUEUES) >= t.WIDE_QUEUES
 
 
 def test_hicache_sets_the_cuda_environment_it_documents(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -331,11 +400,11 @@ def test_hicache_sets_the_cuda_environment_it_documents(monkeypatch: pytest.Monk
     assert os.environ["CUDA_SCALE_LAUNCH_QUEUES"] == "2x"
 
 
-def test_store_options_named_exist() -> None:
+def test_store_urls_named_exist() -> None:
     from hicache.storage.file_backend import FileBackend
     from hicache.storage.redis_options import RedisOptions
 
-    rows = {r[0]: r[1] for r in table_rows(section(README, "L3 stores"))}
+    rows = {r[0]: r[1] for r in table_rows(section(DOCS["storage.md"], "L3 stores"))}
     file_row = next(k for k in rows if k.startswith("`file://"))
     file_opts = set(ticked(file_row.split("(options", 1)[1].split(")", 1)[0]))
     assert file_opts and file_opts <= set(inspect.signature(FileBackend.__init__).parameters)
@@ -360,9 +429,13 @@ def test_metric_names_in_the_docs_are_exported() -> None:
     from hicache.metrics_catalog import catalog, series_names
 
     exported = series_names() | {m.name for m in catalog() if m.type == "histogram"}  # a histogram by its name
-    for doc, text in (("README.md", README), ("docs/metrics.md", METRICS_DOC)):
-        names = set(re.findall(r"\bhicache_[a-z0-9_]+\b", text))
-        assert names and names <= exported, f"{doc}: not exported: {sorted(names - exported)}"
+    for doc, text in (("README.md", README), *((f"docs/{n}", t) for n, t in DOCS.items())):
+        names = set(re.findall(r"\bhicache_[a-z0-9_]+\b(?!\()", text))  # `hicache_stats()`: a function
+        prefixes = {n for n in names if n.endswith("_")}  # `hicache_storage_*`: a family of them
+        assert names - prefixes <= exported, f"{doc}: not exported: {sorted(names - prefixes - exported)}"
+        for p in prefixes:
+            assert any(e.startswith(p) for e in exported), f"{doc}: no metric starts with {p}"
+    assert re.findall(r"\bhicache_[a-z0-9_]+\b", METRICS_DOC)
 
 
 def test_alert_table_is_the_rules() -> None:
@@ -380,27 +453,60 @@ def test_alert_table_is_the_rules() -> None:
     assert f"`hicache route --metrics-port` ({values['router']['metrics']['port']} in the chart)" in flat
 
 
-# --- Layout of the code --------------------------------------------------------------------------------------
+# --- Layout of the code, links -------------------------------------------------------------------------------
 
 
 def test_layout_table_is_the_tree() -> None:
-    rows = table_rows(section(README, "Layout of the code"))
+    rows = table_rows(section(DOCS["architecture.md"], "Layout of the code"))
     named: set[str] = set()
     for row in rows:
         base = ""
         for p in ticked(row[0]):
             path = p if "/" in p.rstrip("/") or not base else base + p  # `hicache/keys.py`, `layout.py`
             base = path.rsplit("/", 1)[0] + "/" if "/" in path.rstrip("/") else base
-            assert (REPO / path).exists(), f"README layout table: {path} does not exist"
+            assert (REPO / path).exists(), f"docs/architecture.md layout table: {path} does not exist"
             named.add(path.rstrip("/"))
     for entry in (REPO / "hicache").iterdir():  # every module and package (kernels: a link to kernels/)
         if entry.name in ("__init__.py", "py.typed") or entry.name.startswith((".", "__")) or entry.is_symlink():
             continue
         if entry.is_dir() or entry.suffix == ".py":
-            assert f"hicache/{entry.name}" in named, f"README layout table: hicache/{entry.name} is missing"
+            assert f"hicache/{entry.name}" in named, f"docs/architecture.md layout: hicache/{entry.name} is missing"
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
     for top in {f.split("/", 1)[0] for f in tracked if "/" in f and not f.startswith(".")}:
-        assert any(n == top or n.startswith(top + "/") for n in named), f"README layout table: {top}/ is missing"
+        assert any(n == top or n.startswith(top + "/") for n in named), f"docs/architecture.md: {top}/ is missing"
+
+
+def slug(heading: str) -> str:
+    """The anchor a markdown renderer gives a heading: lower case, punctuation dropped, spaces as ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+LINKED = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+          *sorted((REPO / "benchmarks" / "results").glob("*/README.md"))]
+QUOTED_PATH = re.compile(r"`((?:docs|benchmarks|deploy|scripts|proto|kernels|tests|data|hicache)/[\w./-]*)`")
+
+
+@pytest.mark.parametrize("doc", LINKED, ids=lambda p: str(p.relative_to(REPO)))
+def test_links_resolve(doc: Path) -> None:
+    text = doc.read_text()
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):  # https://..., mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        assert file.exists(), f"{doc.relative_to(REPO)}: the link {target} names no file"
+        if anchor and file.suffix == ".md":
+            headings = {slug(h) for h in re.findall(r"^#+ (.+)$", file.read_text(), re.M)}
+            assert anchor in headings, f"{doc.relative_to(REPO)}: the link {target} names no heading"
+    for path in QUOTED_PATH.findall(text):  # a repository path quoted as code
+        assert (REPO / path).exists(), f"{doc.relative_to(REPO)}: {path} does not exist"
+
+
+def test_readme_is_a_newcomers_page() -> None:
+    """README stays short and points to every page of docs/, so none is found only by browsing."""
+    assert len(README.splitlines()) <= 300
+    for name in DOCS:
+        assert f"(docs/{name})" in README, f"README links nowhere to docs/{name}"
 
 
 # --- the Python snippets, executed -------------------------------------------------------------------------
@@ -568,10 +674,10 @@ def test_grpcurl_examples_are_requests_the_node_takes(node: Any) -> None:
 def test_engine_snippet_runs_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from hicache.engine import preset
 
-    code = blocks(section(README, "The reference serving node"), "python")[0]
+    code = blocks(section(DOCS["library.md"], "The reference serving node"), "python")[0]
     for old, new in (('preset("llama-8b")', 'preset("tiny")'), ("torch.bfloat16", "torch.float32"),
                      ('device="cuda"', 'device="cpu"')):  # the 8B model on a GPU -> a tiny one on CPU
-        assert code.count(old) == 1, f"README's engine snippet changed: update this test ({old})"
+        assert code.count(old) == 1, f"docs/library.md's engine snippet changed: update this test ({old})"
         code = code.replace(old, new)
     layout = preset("tiny").kv_layout(16, "float32")
     monkeypatch.chdir(tmp_path)
@@ -580,7 +686,7 @@ def test_engine_snippet_runs_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
                    "head_dim": layout.head_dim, "dtype": "float32", "page_size": 16},
         "cache": {"l1_tokens": 1024, "l2_tokens": 1024}}))
     scope: dict[str, Any] = {"doc": list(range(1, 50)), "questions": [[60, 61, 62], [70, 71]]}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/library.md", "exec"), scope)
     try:
         results = scope["results"]
         assert [len(r.output) for r in results] == [8, 8]
