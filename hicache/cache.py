@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -288,17 +288,18 @@ class HiCache:
             pages = self.host_pool.allocator.alloc(n)
         return pages
 
-    def _evict_device(self, n: int, backup: Callable[[TreeNode], bool] | None = None) -> int:
+    def _evict_device(self, n: int, backup: Callable[[TreeNode], bool] | None = None,
+                      only: Collection[bytes] | None = None) -> int:
         freed = self.tree.evict_device(n, self._backup_on_evict if backup is None else backup,
-                                       self._caps(self.device_pool.num_pages))
+                                       self._caps(self.device_pool.num_pages), only)
         total = sum(len(f) for f in freed)
         for f in freed:
             self.device_pool.allocator.free(f)
         self.metrics.evicted_tokens.labels("l1").inc(total * self.page_size)
         return total
 
-    def _evict_host(self, n: int) -> int:
-        freed = self.tree.evict_host(n, self._caps(self.config.l2_pages))
+    def _evict_host(self, n: int, only: Collection[bytes] | None = None) -> int:
+        freed = self.tree.evict_host(n, self._caps(self.config.l2_pages), only)
         total = sum(len(f) for f in freed)
         for f in freed:
             self.host_pool.allocator.free(f)
@@ -827,19 +828,21 @@ class HiCache:
             self._update_gauges()
             return a, b
 
-    def clear(self) -> tuple[int, int]:
-        """Drop every L1 and L2 page that no request holds, no pin keeps and no copy in flight uses;
-        returns the pages freed on (L1, L2). The store (L3) is not touched. No backup is started, whatever
+    def clear(self, namespaces: Collection[Namespace] | None = None) -> tuple[int, int]:
+        """Drop every L1 and L2 page that no request holds, no pin keeps and no copy in flight uses (of the
+        ``namespaces`` alone, when given: a tenant's pages); returns the pages freed on (L1, L2). The store
+        (L3) is not touched. No backup is started, whatever
         the write policy; backups already in flight are finished first (and queued for L3), and so are
         L2 -> L1 loads still writing pages it drops (a request released before its load landed). For a cold
         start between benchmark runs, or after a mistake such as serving different weights under the same
         model revision (fix the revision: L3 still has pages under those keys)."""
         with self._lock:
             self._reap(wait=True)
+            only = None if namespaces is None else {ns.digest for ns in namespaces}
             l1 = l2 = 0
             while True:  # dropping L2-only leaves lets their L1 parents go, and the other way round
-                a = self._evict_device(self.device_pool.num_pages, backup=lambda node: False)
-                b = self._evict_host(self.config.l2_pages) if self.has_l2 else 0
+                a = self._evict_device(self.device_pool.num_pages, backup=lambda node: False, only=only)
+                b = self._evict_host(self.config.l2_pages, only) if self.has_l2 else 0
                 l1, l2 = l1 + a, l2 + b
                 if a == 0 and b == 0:
                     break
@@ -903,8 +906,11 @@ class HiCache:
 
     def stats(self) -> dict[str, Any]:
         """Pool, tree and pin figures taken under the tree lock: page counts per tier (total, used, cached;
-        locked on L1), ``writeback_queue_pages``, pins, and ``storage`` (the store's counters, or None)."""
+        locked on L1), ``writeback_queue_pages``, pins, and ``storage`` (the store's counters, or None).
+        Finished L1 -> L2 backups are folded in first, so pages a backup no longer uses do not count as
+        locked."""
         with self._lock:
+            self._reap()
             return {
                 "l1_pages_total": self.device_pool.num_pages,
                 "l1_pages_used": self.device_pool.allocator.used_pages,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -422,13 +422,17 @@ class RadixTree:
         )
 
     def _candidates(self, evictable: Callable[[TreeNode], bool], on_device: bool,
-                    caps: Mapping[bytes, int] | None) -> tuple[list[tuple[Any, ...]], dict[bytes, int]]:
-        """The eviction heap over every ``evictable`` node, and per namespace with a cap in ``caps`` the
-        pages it holds on the tier beyond that cap. Entries are ``(first, policy key, id, node, ns)``:
-        ``first`` is 0 for a namespace over its cap (its pages go first), else 1."""
+                    caps: Mapping[bytes, int] | None, only: Collection[bytes] | None = None
+                    ) -> tuple[list[tuple[Any, ...]], dict[bytes, int]]:
+        """The eviction heap over every ``evictable`` node (of the namespace digests ``only``, when given), and
+        per namespace with a cap in ``caps`` the pages it holds on the tier beyond that cap. Entries are
+        ``(first, policy key, id, node, ns)``: ``first`` is 0 for a namespace over its cap (its pages go
+        first), else 1."""
         heap: list[tuple[Any, ...]] = []
         over: dict[bytes, int] = {}
         for ns in self.roots:
+            if only is not None and ns not in only:
+                continue
             cap = caps.get(ns) if caps else None
             held = 0
             found = []
@@ -463,12 +467,14 @@ class RadixTree:
         heapq.heappush(heap, (0 if over.get(ns, 0) > 0 else 1, key, id(node), node, ns))
 
     def evict_device(self, n_pages: int, backup: Callable[[TreeNode], bool],
-                     caps: Mapping[bytes, int] | None = None) -> list[np.ndarray]:
+                     caps: Mapping[bytes, int] | None = None, only: Collection[bytes] | None = None
+                     ) -> list[np.ndarray]:
         """Free at least ``n_pages`` L1 pages (fewer if not enough are evictable), policy order.
 
         ``caps``: L1 pages per namespace digest (a tenant's share). A namespace holding more than its cap
         loses pages first, in policy order among them, until it is back at its cap; then every namespace's
-        pages are evicted together in policy order. Without caps: policy order over all.
+        pages are evicted together in policy order. Without caps: policy order over all. ``only``: evict
+        pages of these namespace digests alone (a tenant's Clear).
 
         Candidates are unlocked L1 nodes with no L1 child. A candidate already on L2 is downgraded to
         host-only. One that is not is first offered to ``backup(node)`` (write-back); if that gives it
@@ -477,7 +483,7 @@ class RadixTree:
         for first, so a freed page is never still being written. Returns the freed L1 page arrays; the
         caller returns them to the pool.
         """
-        heap, over = self._candidates(self._l1_evictable, True, caps)
+        heap, over = self._candidates(self._l1_evictable, True, caps, only)
         freed: list[np.ndarray] = []
         count = 0
         while count < n_pages:
@@ -524,13 +530,14 @@ class RadixTree:
             and node.host_pin == 0
         )
 
-    def evict_host(self, n_pages: int, caps: Mapping[bytes, int] | None = None) -> list[np.ndarray]:
+    def evict_host(self, n_pages: int, caps: Mapping[bytes, int] | None = None,
+                   only: Collection[bytes] | None = None) -> list[np.ndarray]:
         """Free at least ``n_pages`` L2 pages from leaves that are not on L1 and not pinned.
 
         The nodes are removed from the tree (L3, if any, still has them). ``caps``: L2 pages per namespace
-        digest, as for :meth:`evict_device`. Returns the freed L2 arrays.
+        digest, and ``only``, as for :meth:`evict_device`. Returns the freed L2 arrays.
         """
-        heap, over = self._candidates(self._l2_evictable, False, caps)
+        heap, over = self._candidates(self._l2_evictable, False, caps, only)
         freed: list[np.ndarray] = []
         count = 0
         while count < n_pages:

@@ -40,6 +40,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "host": ("router", "host"),
     "port": ("router", "port"),
     "metrics_port": ("router", "metrics_port"),
+    "metrics_host": ("router", "metrics_host"),
     "policy": ("router", "policy"),
     "index": ("router", "index"),
     "approx_ttl_s": ("router", "approx_ttl_s"),
@@ -51,6 +52,7 @@ _FLAGS: dict[str, tuple[str, str]] = {
     "route_ttl_s": ("router", "route_ttl_s"),
     "stats_interval_s": ("router", "stats_interval_s"),
     "auth_token": ("router", "auth_token"),
+    "auth_tokens_file": ("router", "auth_tokens_file"),
     "node_token": ("router", "node_token"),
     "model": ("model", "name"),
     "revision": ("model", "revision"),
@@ -73,6 +75,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--host")
     g.add_argument("--port", type=int)
     g.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (0: off)")
+    g.add_argument("--metrics-host", help="address /metrics binds (default 127.0.0.1, whatever --host; its "
+                                          "bearer token: HICACHE_ROUTER__METRICS_TOKEN)")
     g.add_argument("--policy", choices=policy_names())
     g.add_argument("--index", choices=INDEX_MODES,
                    help="events: follow each node's event stream (hicache nodes); approximate: predict each "
@@ -86,6 +90,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--route-ttl-s", type=float, help="routes not completed by then stop counting as load")
     g.add_argument("--stats-interval-s", type=float)
     g.add_argument("--auth-token", help="require 'authorization: Bearer TOKEN' (prefer HICACHE_ROUTER__AUTH_TOKEN)")
+    g.add_argument("--auth-tokens-file", metavar="FILE",
+                   help="tokens mapped to the tenants each may route for (the node's serve.auth_tokens_file "
+                        "format); --auth-token is then an admin token")
     g.add_argument("--node-token", help="bearer token for the nodes (prefer HICACHE_ROUTER__NODE_TOKEN)")
     g.add_argument("--model")
     g.add_argument("--revision")
@@ -133,11 +140,17 @@ def run(args: argparse.Namespace) -> int:
     if not rconfig.nodes:
         print("hicache route: no nodes: pass --node NAME=host:port (or router.nodes in --config)", file=sys.stderr)
         return 2
+    from hicache.service.auth import Authenticator
+
     try:  # what this machine must offer (hicache.preflight)
         check_host(rconfig.host, "router.host")
+        if rconfig.metrics_port:
+            check_host(rconfig.metrics_host, "router.metrics_host")
         for name in ("tls_cert", "tls_key", "tls_client_ca", "node_tls_ca", "node_client_cert", "node_client_key"):
             if getattr(rconfig, name):
                 check_pem_file(getattr(rconfig, name), f"router.{name}")
+        # a bad tokens file: one line naming the entry (never a token), before anything starts
+        Authenticator.for_serve(rconfig.auth_token, rconfig.auth_tokens_file, "router")
     except ConfigError as e:
         raise blame_env(e, os.environ, overrides) from None
     from hicache.router.server import run as run_server

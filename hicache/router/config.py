@@ -102,6 +102,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50061
     metrics_port: int = 0  # Prometheus /metrics (0: off)
+    metrics_host: str = "127.0.0.1"  # /metrics binds here, not router.host: loopback unless Prometheus is elsewhere
+    metrics_token: str = ""  # bearer token /metrics requires ("": none)
     nodes: list[NodeSpec] = field(default_factory=list)
     policy: str = "cache_aware"
     index: str = "events"  # events: follow each node's WatchEvents | approximate: predict from the routes
@@ -125,7 +127,8 @@ class RouterConfig:
     node_tls_ca: str = ""  # PEM: reach the nodes over TLS trusting this CA
     node_client_cert: str = ""  # PEM pair for mTLS to the nodes
     node_client_key: str = ""
-    auth_token: str = ""  # require this bearer token from the router's clients
+    auth_token: str = ""  # require this bearer token from the router's clients (with auth_tokens_file: an admin one)
+    auth_tokens_file: str = ""  # YAML: tokens -> the tenants each may route for (hicache.service.auth format)
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
@@ -168,7 +171,9 @@ class RouterConfig:
             raise ConfigError(f"router.max_request_tokens: must be >= 1, got {self.max_request_tokens}")
         if self.breaker_max_cooldown_s < self.breaker_cooldown_s:
             raise ConfigError("router.breaker_max_cooldown_s: must be >= breaker_cooldown_s")
-        for f in ("auth_token", "node_token"):
+        if not self.metrics_host:
+            raise ConfigError("router.metrics_host: must be an address to bind /metrics on", "router.metrics_host")
+        for f in ("auth_token", "node_token", "metrics_token"):
             why = token_problem(getattr(self, f))
             if why is not None:
                 raise ConfigError(f"router.{f}: {why}", f"router.{f}")

@@ -3,8 +3,18 @@
 ``RouterServer(config, rconfig).start()`` builds a :class:`~hicache.router.core.Router`, one
 :class:`~hicache.router.feed.NodeFeed` per node, and a gRPC server with the Router service, the standard
 health service (``""``: SERVING while up; ``hicache.v1.Router``: SERVING while at least one node is
-routable) and reflection; optional bearer token (every call but health's, checked before its request is read:
-:class:`~hicache.service.auth.AuthInterceptor`), TLS/mTLS and ``/metrics``. Everything runs on one event
+routable) and reflection; optional bearer tokens (every call but health's, checked before its request is read:
+:class:`~hicache.service.auth.AuthInterceptor`), TLS/mTLS and ``/metrics`` (on ``router.metrics_host``,
+loopback by default, behind ``router.metrics_token`` when set).
+
+Tenants: with ``router.auth_tokens_file`` (the node's tokens-file format, :func:`~hicache.service.auth.
+load_tokens_file`) each token routes only for its tenants: a Route naming another tenant (``namespace.tenant``;
+the router's ``model.tenant`` when empty) ends with PERMISSION_DENIED before anything is scored or counted.
+Route ids are then per token: the id a Route returns carries a tag only the router can make for that token
+(an HMAC under a key drawn at start), and a Complete of an id without the caller's tag is answered as an
+unknown id (``known`` false), changing nothing; a Route's ``request_id`` is the caller's token's too (one
+token's retry never replays another's route). ListNodes is router-wide (node loads and index sizes, no
+tenant's data): any token. ``router.auth_token`` alone is one token for every tenant. Everything runs on one event
 loop, so the index, loads and breakers need no locks; a scrape of ``/metrics`` (served from its own threads)
 does its bookkeeping on that loop too (:class:`RouterMetrics`).
 """
@@ -13,7 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
+import secrets
 import signal
 import threading
 import time
@@ -30,13 +43,13 @@ from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
 from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
 from hicache.router.breaker import status_from_number
 from hicache.router.config import RouterConfig
-from hicache.router.core import NoNodeError, RequestIdConflict, RouteDecision, Router
+from hicache.router.core import MAX_ID_BYTES, NoNodeError, RequestIdConflict, RouteDecision, Router
 from hicache.router.engine_feed import EngineFeed
 from hicache.router.feed import NodeFeed
-from hicache.service.auth import Authenticator, AuthInterceptor, server_credentials
+from hicache.service.auth import EVERYONE, Authenticator, AuthInterceptor, Principal, server_credentials
 from hicache.service.decode import DecodeGuard
 from hicache.service.metrics_http import RPC_BUCKETS, MetricsServer
-from hicache.service.validation import NamespaceResolver, ServiceError, token_bytes
+from hicache.service.validation import NamespaceResolver, ServiceError, shown, token_bytes
 
 log = logging.getLogger("hicache.router")
 SYNC_WAIT_S = 1.0  # a scrape waits this long at most for its bookkeeping on the router's event loop
@@ -194,37 +207,79 @@ def decision_pb(d: RouteDecision, page_size: int) -> rpb.RouteResponse:
                              reason=d.reason, scores=scores, replayed=d.replayed)
 
 
+ROUTE_TAG_CHARS = 16  # hex characters of a route id's tag (tokens file only): 64 bits of an HMAC-SHA256
+
+
 class RouterServicer(rpb_grpc.RouterServicer):
-    def __init__(self, router: Router, metrics: RouterMetrics) -> None:
+    def __init__(self, router: Router, metrics: RouterMetrics, auth: Authenticator | None = None) -> None:
         self.router = router
         self.metrics = metrics
         self.resolver = NamespaceResolver(router.ns)
+        # who calls: None when every caller is EVERYONE (auth off, or router.auth_token alone)
+        self.auth = auth if auth is not None and auth.scoped else None
+        self._tag_key = secrets.token_bytes(32)
+
+    def _who(self, context: Ctx) -> Principal:
+        if self.auth is None:
+            return EVERYONE
+        who = self.auth.principal(context.invocation_metadata())
+        if who is None:  # pragma: no cover - AuthInterceptor refuses such a call before any handler
+            raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        return who
+
+    def _tag(self, who: Principal, route_id: str) -> str:
+        mac = hmac.new(self._tag_key, f"{who.scope}\0{route_id}".encode(), hashlib.sha256)
+        return mac.hexdigest()[:ROUTE_TAG_CHARS]
+
+    def _request_id(self, who: Principal, request_id: str) -> str:
+        """The router's name for a client's ``request_id``: per token with a tokens file (as the node's
+        request ids), so one token never replays, nor completes, a route another token named."""
+        if self.auth is None or not request_id:
+            return request_id
+        if len(request_id.encode()) > MAX_ID_BYTES:  # the client's id is what the limit is about
+            raise ValueError(f"request_id: longer than {MAX_ID_BYTES} bytes")
+        return hashlib.sha256(f"{who.scope}\0{request_id}".encode()).hexdigest()  # within MAX_ID_BYTES
+
+    def _own_route(self, who: Principal, route_id: str) -> str | None:
+        """The router's id of ``route_id`` as a Route returned it to ``who`` (tokens file: tagged for that
+        token), or None when it is no such id."""
+        if self.auth is None:
+            return route_id
+        rid, sep, tag = route_id.rpartition(".")
+        if not sep or not hmac.compare_digest(tag.encode(), self._tag(who, rid).encode()):
+            return None
+        return rid
 
     async def Route(self, request: rpb.RouteRequest, context: Ctx) -> rpb.RouteResponse:
         t0 = time.perf_counter()
         r = self.router
+        who = self._who(context)
         try:
             tb = token_bytes(request.tokens, request.token_ids, r.rconfig.max_request_tokens)
             ref = request.namespace
             ns = self.resolver.resolve(ref.tenant, ref.model, ref.revision, ref.layout)
+            if not who.may_act_for(ns.tenant):
+                raise ServiceError(grpc.StatusCode.PERMISSION_DENIED, f"namespace.tenant {shown(ns.tenant)}: "
+                                   "this token may not route for that tenant")
             left = context.time_remaining()
             if left is not None and left <= 0:  # no one waits for the answer: route nothing, count nothing
                 raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before routing")
             d = r.route(tb, ns.tenant, request.policy, list(request.exclude_nodes), request.peek,
-                        request.request_id)
+                        self._request_id(who, request.request_id))
         except ServiceError as e:
             await context.abort(e.code, e.message)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestIdConflict as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e).replace(
+                shown(self._request_id(who, request.request_id)), shown(request.request_id)))
         except NoNodeError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         m = self.metrics
         m.route_seconds.observe(time.perf_counter() - t0)
         if d.replayed:  # a retry of a route already made and counted: it stays in flight for its Complete
             m.replayed.inc()
-            return decision_pb(d, r.page_size)
+            return self._reply(who, d)
         if d.route_id:
             left = context.time_remaining()
             # Decided after the client's deadline: the client has given up and never learns the route id, so
@@ -239,11 +294,20 @@ class RouterServicer(rpb_grpc.RouterServicer):
             m.request_pages.inc(d.num_pages)
             m.prefix_pages.labels("l1").inc(d.l1_pages)
             m.prefix_pages.labels("l2").inc(d.l2_pages)
-        return decision_pb(d, r.page_size)
+        return self._reply(who, d)
+
+    def _reply(self, who: Principal, d: RouteDecision) -> rpb.RouteResponse:
+        resp = decision_pb(d, self.router.page_size)
+        if self.auth is not None and d.route_id:
+            resp.route_id = f"{d.route_id}.{self._tag(who, d.route_id)}"
+        return resp
 
     async def Complete(self, request: rpb.CompleteRequest, context: Ctx) -> rpb.CompleteResponse:
         code = status_from_number(request.status_code)
-        c = self.router.complete_call(request.route_id, code)
+        rid = self._own_route(self._who(context), request.route_id)
+        if rid is None:  # not a route this token made: as an unknown id, nothing changes
+            return rpb.CompleteResponse()
+        c = self.router.complete_call(rid, code)
         if not c.repeat:
             self.metrics.completed.labels(code.name).inc()
         return rpb.CompleteResponse(known=c.node is not None, node=c.node or "", late=c.late, repeated=c.repeat)
@@ -286,14 +350,15 @@ class RouterServer:
         self.metrics.attach(asyncio.get_running_loop())
         # authentication first: a call without the token is refused before anything reads its request
         interceptors: list[grpc.aio.ServerInterceptor] = []
-        if rc.auth_token:
-            interceptors.append(AuthInterceptor(Authenticator.single(rc.auth_token)))
+        auth = Authenticator.for_serve(rc.auth_token, rc.auth_tokens_file, "router")
+        if auth is not None:
+            interceptors.append(AuthInterceptor(auth))
         interceptors.append(DecodeGuard())
         # a Route of max_request_tokens token ids must fit (int64 ids: up to ~10 bytes each on the wire)
         max_msg = max(4 << 20, 10 * rc.max_request_tokens + (64 << 10))
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_msg)])
-        rpb_grpc.add_RouterServicer_to_server(RouterServicer(self.router, self.metrics), self.server)
+        rpb_grpc.add_RouterServicer_to_server(RouterServicer(self.router, self.metrics, auth), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -308,7 +373,7 @@ class RouterServer:
         if self.port == 0:
             raise OSError(f"route: cannot bind {addr}")
         if rc.metrics_port:
-            self._metrics_http = MetricsServer(self.registry, rc.host, rc.metrics_port)
+            self._metrics_http = MetricsServer(self.registry, rc.metrics_host, rc.metrics_port, token=rc.metrics_token)
             self.metrics_port = self._metrics_http.port
         for f in self.feeds:
             f.start()
@@ -317,6 +382,11 @@ class RouterServer:
         self._health_task = asyncio.create_task(self._health_loop())
         log.info("hicache route: %d nodes, policy %s, %s index, namespace %s", len(rc.nodes), rc.policy, rc.index,
                  self.router.describe_namespace())
+
+    @property
+    def metrics_url(self) -> str:
+        """Where ``/metrics`` is served ("": nowhere)."""
+        return self._metrics_http.url if self._metrics_http is not None else ""
 
     async def _health_loop(self) -> None:
         last: bool | None = None
@@ -364,7 +434,7 @@ async def serve_until_signal(config: HiCacheConfig, rconfig: RouterConfig, annou
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if announce:
-        extra = f" metrics http://{rconfig.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
+        extra = f" metrics {server.metrics_url}" if server.metrics_url else ""
         print(f"hicache route: listening on {rconfig.host}:{server.port}{extra}", flush=True)
     await stop.wait()
     await server.stop()

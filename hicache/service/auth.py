@@ -14,7 +14,8 @@ What an authenticated caller may do is its :class:`Principal`:
   one principal that may act for every tenant and run the node-wide calls. The token keeps out callers
   without it; it does not keep tenants apart.
 * ``serve.auth_tokens_file`` (:func:`load_tokens_file`): each token acts for the tenants listed for it
-  (``"*"``: every tenant), and only an ``admin`` token runs the node-wide calls (Clear, Flush). The
+  (``"*"``: every tenant), and only an ``admin`` token runs the node-wide calls (Flush, a Clear of every
+  tenant's pages; a token limited to some tenants clears theirs alone). The
   servicer refuses a call naming another tenant with PERMISSION_DENIED; see
   :mod:`hicache.service.servicer` for what each RPC checks. ``serve.auth_token``, when also set, is one
   more token, an admin one.
@@ -48,7 +49,7 @@ class Principal:
 
     name: str  # for messages and logs (a tokens file entry's name; never the token)
     tenants: frozenset[str] | None  # the tenants it may act for; None: every tenant
-    admin: bool = False  # may run node-wide calls (Clear, Flush)
+    admin: bool = False  # may run node-wide calls (Flush, Clear of every tenant)
     scope: str = ""  # request ids live per scope: one token cannot reach another's requests
 
     @property
@@ -84,16 +85,17 @@ class Authenticator:
         return cls({token: EVERYONE})
 
     @classmethod
-    def for_serve(cls, auth_token: str, tokens_file: str) -> Authenticator | None:
+    def for_serve(cls, auth_token: str, tokens_file: str, section: str = "serve") -> Authenticator | None:
         """The node's: ``serve.auth_token`` (an admin token) and the tokens of ``serve.auth_tokens_file``;
-        None when neither is set (auth off). :class:`ConfigError` for a bad tokens file."""
+        None when neither is set (auth off). :class:`ConfigError` for a bad tokens file. The router's are
+        the same fields of its ``section``, ``router``."""
+        field = f"{section}.auth_tokens_file"
         principals: dict[str, Principal] = {}
         if tokens_file:
-            principals.update(load_tokens_file(tokens_file))
+            principals.update(load_tokens_file(tokens_file, field))
         if auth_token:
             if auth_token in principals:
-                raise ConfigError(f"{TOKENS_FILE_FIELD}: a token of the file is serve.auth_token too",
-                                  TOKENS_FILE_FIELD)
+                raise ConfigError(f"{field}: a token of the file is {section}.auth_token too", field)
             principals[auth_token] = EVERYONE
         return cls(principals) if principals else None
 
@@ -151,7 +153,7 @@ def load_tokens_file(path: str, field: str = TOKENS_FILE_FIELD) -> dict[str, Pri
             tenants: [acme]         # the tenants it may act for; "*": every tenant
           - name: ops
             token: "..."
-            admin: true             # every tenant, and the node-wide calls (Clear, Flush)
+            admin: true             # every tenant, and the node-wide calls (Flush, Clear of all)
 
     The tenant of a request that names none is the node's ``model.tenant`` (``""`` by default): list
     ``""`` for a token that may send such requests.

@@ -32,9 +32,10 @@ PERMISSION_DENIED (a MatchStream message: that reply) before the cache is touche
 (one token's Allocate / Commit / Prefetch / Release never reaches another's requests: NOT_FOUND, as an
 unknown id), and so are pins (Unpin, ListPins: only the pins made for the token's tenants). WatchEvents
 sends a token limited to some tenants only their pages' events, numbered 1, 2, 3, ... for that subscriber
-(gap-free, as the hub numbers them for one that sees everything). Clear and Flush act on every tenant: admin
-tokens only; Attach maps the whole L1 pool (every tenant's pages): tokens for every tenant only. Stats and
-GetPoolInfo are node-wide figures any token may read.
+(gap-free, as the hub numbers them for one that sees everything). Clear by a token limited to some tenants
+drops only those tenants' pages; a Clear of every tenant's pages, and Flush (it waits on every tenant's
+writes), need an admin token. Attach maps the whole L1 pool (every tenant's pages): tokens for every tenant
+only. Stats and GetPoolInfo are node-wide figures any token may read.
 """
 
 from __future__ import annotations
@@ -696,8 +697,12 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
 
     @unary
     async def Clear(self, request: pb.ClearRequest, context: Ctx) -> pb.ClearResponse:
-        self._admin(self._who(context), "Clear")
-        l1, l2 = await blocking(self.cache.clear)
+        who = self._who(context)
+        if who.tenants is None:  # every tenant's pages: node-wide
+            self._admin(who, "Clear")
+            l1, l2 = await blocking(self.cache.clear)
+        else:  # a token limited to some tenants clears theirs alone
+            l1, l2 = await blocking(self.cache.clear, [self.cache.ns.with_tenant(t) for t in who.tenants])
         return pb.ClearResponse(l1_pages=l1, l2_pages=l2)
 
     @streaming
@@ -782,6 +787,8 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                 if part != "header":
                     raise invalid("write pages: the first message must carry the header")
                 header = msg.header
+                # the tenant first: a token refused for it gets PERMISSION_DENIED before its data is read
+                ns = self._ns(header.namespace, self._who(context))
                 tb = token_bytes(header.tokens, header.token_ids, self.max_tokens)
                 n = len(tb) // (self.page_size * 4)
                 if header.first_page >= n:
@@ -797,7 +804,6 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             raise invalid("write pages: empty stream")
         if len(buf) != limit:
             raise invalid(f"data: {len(buf)} bytes, pages {header.first_page}.. need {limit}")
-        ns = self._ns(header.namespace, self._who(context))
         return await blocking(self._write_pages, tb, ns, header.first_page, bytes(buf))
 
     def _write_pages(self, tb: bytes, ns: Any, first: int, data: bytes) -> pb.CommitResponse:

@@ -3,9 +3,10 @@
 On an in-process node with four tokens (acme's, beta's, one for every tenant as a router's, an admin's):
 a token cannot read (ReadPages, Match), write (WritePages), pin, or open requests in another tenant's
 namespace (PERMISSION_DENIED); request ids and pins are per token; WatchEvents sends a tenant's token only
-its tenants' runs, numbered gap-free for it, while the every-tenant token sees everything; Clear and Flush
-need the admin token, Attach a token for every tenant. The tokens file itself is checked at start, and its
-errors never quote a token. ``serve.auth_token`` alone stays the one-tenant mode: one token that does all.
+its tenants' runs, numbered gap-free for it, while the every-tenant token sees everything; Flush and a Clear
+of every tenant need the admin token (a tenant's token clears its own tenants' pages), Attach a token for
+every tenant. The tokens file itself is checked at start, and its errors never quote a token.
+``serve.auth_token`` alone stays the one-tenant mode: one token that does all.
 """
 
 from __future__ import annotations
@@ -143,8 +144,11 @@ def test_node_wide_calls_need_an_admin_token_and_attach_one_for_every_tenant(tmp
             t = toks(4)
             await c["acme"].write_pages(t, bytes(3 * n.cache.layout.bytes_per_page), tenant="acme")  # type: ignore[union-attr]
             for who in ("acme", "beta", "router"):
-                assert await code_of(c[who].clear()) == C.PERMISSION_DENIED, who
                 assert await code_of(c[who].flush()) == C.PERMISSION_DENIED, who
+            # a Clear of every tenant's pages is node-wide; a tenant's token clears its own tenants' alone
+            # (tests/service/test_tenant_clear.py)
+            assert await code_of(c["router"].clear()) == C.PERMISSION_DENIED
+            assert (await c["beta"].clear()).l1_pages == 0
             assert (await c["acme"].match(t, tenant="acme", peek=True)).l1_pages == 3  # nothing cleared
             for who in ("acme", "beta"):
                 assert await code_of(c[who].attach()) == C.PERMISSION_DENIED, who
