@@ -21,6 +21,15 @@ from hicache.storage.threads import check_nice
 
 @dataclass(frozen=True)
 class RedisOptions:
+    """Options of a Redis URL (query) or keyword arguments: ``prefix`` (key prefix), ``ttl_s`` (expire
+    pages; 0 = never), ``touch_on_read`` (reads push the TTL out), ``timeout_s`` (per socket operation),
+    ``connect_timeout_s``, ``max_connections`` (a node's pool, and the backend's limit on operations in
+    flight), ``retry_attempts`` / ``retry_base_s`` / ``retry_max_s`` (transient errors), ``breaker_base_s``
+    / ``breaker_max_s`` (how long a store that failed is left alone before a probe), ``delete_corrupt``
+    (drop a page that failed verification), ``hash_threads`` (frame checksums run there, overlapped with
+    the socket; writes hash on half as many threads, ``write_nice`` lower in priority), ``sentinel_password``,
+    ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile`` / ``ssl_cert_reqs`` (TLS)."""
+
     prefix: str = "hicache:"
     ttl_s: float = 0.0
     touch_on_read: bool = True
@@ -33,7 +42,6 @@ class RedisOptions:
     breaker_base_s: float = 0.25
     breaker_max_s: float = 5.0
     delete_corrupt: bool = True
-    wire: str = "raw"
     hash_threads: int = 0  # 0: min(8, max(2, cpus))
     write_nice: int = 10  # writes' checksum threads lower their CPU priority by this much (Linux)
     sentinel_password: str = ""
@@ -52,8 +60,6 @@ class RedisOptions:
         if self.max_connections < 1:
             raise ValueError(f"redis max_connections: must be >= 1, got {self.max_connections}")
         check_nice("redis write_nice", self.write_nice)
-        if self.wire not in ("raw", "pipeline"):
-            raise ValueError(f"redis wire: must be 'raw' or 'pipeline', got {self.wire!r}")
         if self.ssl_cert_reqs not in ("required", "optional", "none"):
             raise ValueError(f"redis ssl_cert_reqs: must be required|optional|none, got {self.ssl_cert_reqs!r}")
         RetryPolicy(self.retry_attempts, self.retry_base_s, self.retry_max_s)  # validates

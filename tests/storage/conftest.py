@@ -72,7 +72,6 @@ BACKENDS = [
     pytest.param("memory", id="memory"),
     pytest.param("file", id="file"),
     pytest.param("redis", id="redis", marks=[pytest.mark.redis, needs_redis]),
-    pytest.param("redis-pipeline", id="redis-pipeline", marks=[pytest.mark.redis, needs_redis]),
     pytest.param("cluster", id="cluster", marks=[pytest.mark.redis, needs_redis]),
 ]
 
@@ -89,8 +88,6 @@ def backend_url(request: pytest.FixtureRequest, tmp_path: Path, prefix: str) -> 
         return f"file://{tmp_path / 'store'}", {"filesystem": pafs.SubTreeFileSystem("/", pafs.LocalFileSystem())}
     if kind == "redis":
         return request.getfixturevalue("redis_single").url, {"prefix": prefix}
-    if kind == "redis-pipeline":
-        return request.getfixturevalue("redis_single").url, {"prefix": prefix, "wire": "pipeline"}
     if kind == "cluster":
         return request.getfixturevalue("redis_cluster").url, {"prefix": prefix}
     raise AssertionError(kind)

@@ -34,7 +34,7 @@ def flip_stored_byte(b: object, key: bytes, offset: int) -> None:
         import redis
         from redis.cluster import RedisCluster
         rk = b.redis_key(key)
-        client = b._get_cluster() if b._client is None else b._client
+        client = b._nodes.cluster() if b._nodes.client is None else b._nodes.client
         assert isinstance(client, (redis.Redis, RedisCluster))
         v = client.getrange(rk, offset, offset)
         client.setrange(rk, offset, bytes([v[0] ^ 0xFF]))

@@ -370,20 +370,18 @@ def test_a_read_cut_short_writes_no_host_page_after_it_returns(redis_single, ope
 
 @needs_redis
 @pytest.mark.redis
-@pytest.mark.parametrize("wire", ["raw", "pipeline"])
-def test_stored_bytes_read_are_those_of_the_attempt_that_succeeded(redis_single, open_backend, prefix: str,
-                                                                   wire: str) -> None:
+def test_stored_bytes_read_are_those_of_the_attempt_that_succeeded(redis_single, open_backend, prefix: str) -> None:
     """A read retried after a reset counts the bytes of the frames it finally read: here a node storing
     pages as they are rewrote the compressed pages between the two attempts."""
     n, page = 4, BIG.bytes_per_page
     zstd = open_backend(redis_single.url, layout=BIG, compression="zstd", prefix=prefix)
     plain = open_backend(redis_single.url, layout=BIG, prefix=prefix)
-    src, keys = big_pool(n, 3), page_keys(n, "retry" + wire)
+    src, keys = big_pool(n, 3), page_keys(n, "retry")
     assert zstd.batch_set(keys, src, list(range(n))) == n
     first = zstd.stats().stored_bytes_written // n
     proxy = TcpProxy(redis_single.port)
     try:
-        reader = open_backend(proxy.url, layout=BIG, prefix=prefix, retry_attempts=2, wire=wire)
+        reader = open_backend(proxy.url, layout=BIG, prefix=prefix, retry_attempts=2)
         assert isinstance(reader, RedisBackend) and reader.probe() is None
         refresh = reader._refresh
 
@@ -454,7 +452,7 @@ def put_raw(b: object, key: bytes, blob: bytes) -> None:
     if isinstance(b, FileBackend):
         Path(b.path(key)).write_bytes(blob)
     elif isinstance(b, RedisBackend):
-        client = b._get_cluster() if b._client is None else b._client
+        client = b._nodes.cluster() if b._nodes.client is None else b._nodes.client
         client.set(b.redis_key(key), blob)
     else:
         raise AssertionError(type(b))

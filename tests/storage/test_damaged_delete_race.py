@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 
-from hicache.storage import StorageContext, file_backend, redis_backend
+from hicache.storage import StorageContext, file_backend, redis_damaged
 from hicache.storage.base import StorageBackend
 from hicache.storage.file_backend import FileBackend
 from hicache.storage.frame import HEADER_BYTES
@@ -54,16 +54,11 @@ def after_read(monkeypatch: pytest.MonkeyPatch, b: StorageBackend, name: str, fn
 
 
 # ---------------------------------------------------------------------------------------------- redis
-REDIS_TARGETS = [
-    pytest.param("redis_single", "raw", id="redis-raw"),
-    pytest.param("redis_single", "pipeline", id="redis-pipeline"),
-    pytest.param("redis_cluster", "raw", id="cluster-raw"),
-    pytest.param("redis_cluster", "pipeline", id="cluster-pipeline"),
-]
+REDIS_TARGETS = [pytest.param("redis_single", id="redis"), pytest.param("redis_cluster", id="cluster")]
 
 
 def _client(b: RedisBackend) -> Any:
-    return b._get_cluster() if b._client is None else b._client
+    return b._nodes.cluster() if b._nodes.client is None else b._nodes.client
 
 
 def _damage_redis(b: RedisBackend, key: bytes, kind: str, variant: int = 0) -> None:
@@ -86,7 +81,7 @@ def _damage_redis(b: RedisBackend, key: bytes, kind: str, variant: int = 0) -> N
 def without_scripts(admin: RedisBackend, url: str) -> str:
     """``url`` as a user whom every master refuses Lua scripts (an ACL without ``@scripting``)."""
     user, password = "noscripts", "pw-noscripts"
-    for c in admin._all_clients():
+    for c in admin._nodes.masters():
         c.acl_setuser(user, enabled=True, nopass=False, passwords=[f"+{password}"], keys=["*"], channels=["*"],
                       commands=["+@all", "-@scripting"])
     scheme, rest = url.split("://", 1)
@@ -97,21 +92,21 @@ def without_scripts(admin: RedisBackend, url: str) -> str:
 @pytest.mark.redis
 @pytest.mark.parametrize("scripts", ["allowed", "refused"])
 @pytest.mark.parametrize("kind", ["checksum", "size", "type"])
-@pytest.mark.parametrize(("server", "wire"), REDIS_TARGETS)
+@pytest.mark.parametrize("server", REDIS_TARGETS)
 def test_redis_good_rewrite_between_read_and_delete_survives(
         request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, open_backend: Callable[..., StorageBackend],
-        prefix: str, server: str, wire: str, kind: str, scripts: str) -> None:
+        prefix: str, server: str, kind: str, scripts: str) -> None:
     """With scripts refused, the same conditional delete runs as WATCH / MULTI transactions."""
     url = request.getfixturevalue(server).url
-    other = open_backend(url, prefix=prefix, wire=wire)
+    other = open_backend(url, prefix=prefix)
     assert isinstance(other, RedisBackend)
-    reader = open_backend(url if scripts == "allowed" else without_scripts(other, url), prefix=prefix, wire=wire)
+    reader = open_backend(url if scripts == "allowed" else without_scripts(other, url), prefix=prefix)
     assert isinstance(reader, RedisBackend)
-    src, keys, idx = make_pool(N, seed=21), page_keys(N, f"race-{kind}-{wire}"), list(range(N))
+    src, keys, idx = make_pool(N, seed=21), page_keys(N, f"race-{kind}"), list(range(N))
     assert other.batch_set(keys, src, idx) == N
     for i in DAMAGED:
         _damage_redis(other, keys[i], kind)
-    for c in other._all_clients():  # the first delete on each node finds no script cached: EVAL
+    for c in other._nodes.masters():  # the first delete on each node finds no script cached: EVAL
         c.script_flush()
 
     def other_node_writes() -> None:
@@ -141,21 +136,20 @@ def test_redis_good_rewrite_between_read_and_delete_survives(
     assert reader.stats().errors == 0
     assert other.batch_set(keys, src, idx) == N and reader.batch_get(keys, got, idx) == N
     assert pages_equal(src, got, idx, idx)
-    assert reader._no_scripts == (scripts == "refused")
+    assert reader._damaged.no_scripts == (scripts == "refused")
 
 
 @needs_redis
 @pytest.mark.redis
 @pytest.mark.parametrize("host_layout", ["page_first", "layer_first"])  # read into the page, or a bounce buffer
-@pytest.mark.parametrize("wire", ["raw", "pipeline"])
 def test_redis_damaged_page_left_alone_is_deleted(redis_single: Any, open_backend: Callable[..., StorageBackend],
-                                                  prefix: str, wire: str, host_layout: str) -> None:
+                                                  prefix: str, host_layout: str) -> None:
     """No race: every damaged value read is deleted, the first time through ``EVAL`` (no script cached),
     then through ``EVALSHA``; with ``delete_corrupt`` off nothing is deleted."""
-    b = open_backend(redis_single.url, prefix=prefix, wire=wire, host_layout=host_layout)
+    b = open_backend(redis_single.url, prefix=prefix, host_layout=host_layout)
     assert isinstance(b, RedisBackend)
-    src, keys, idx = make_pool(4, host_layout, seed=22), page_keys(4, f"plain-{wire}"), [0, 1, 2, 3]
-    for c in b._all_clients():
+    src, keys, idx = make_pool(4, host_layout, seed=22), page_keys(4, "plain"), [0, 1, 2, 3]
+    for c in b._nodes.masters():
         c.script_flush()
     for round_, kind in enumerate(["checksum", "size", "type"]):
         assert b.batch_set(keys, src, idx) == 4
@@ -166,7 +160,7 @@ def test_redis_damaged_page_left_alone_is_deleted(redis_single: Any, open_backen
         assert b.stats().extra.get("corrupt_deleted") == 2 * (round_ + 1), kind
     assert b.stats().corrupt_pages == 6 and b.stats().errors == 0
 
-    keeps = open_backend(redis_single.url, prefix=prefix, wire=wire, delete_corrupt=False)
+    keeps = open_backend(redis_single.url, prefix=prefix, delete_corrupt=False)
     assert keeps.batch_set(keys, src, idx) == 4
     _damage_redis(keeps, keys[2], "size")
     assert keeps.batch_get(keys, make_pool(4, seed=None), idx) == 2
@@ -175,24 +169,23 @@ def test_redis_damaged_page_left_alone_is_deleted(redis_single: Any, open_backen
 
 @needs_redis
 @pytest.mark.redis
-@pytest.mark.parametrize("wire", ["raw", "pipeline"])
 def test_redis_without_eval_a_write_after_the_check_survives(monkeypatch: pytest.MonkeyPatch,
                                                              open_backend: Callable[..., StorageBackend],
-                                                             prefix: str, wire: str) -> None:
+                                                             prefix: str) -> None:
     """A server with EVAL / EVALSHA renamed away: the conditional delete is a WATCH / MULTI transaction, and
     a good page written after its check and before its ``EXEC`` survives (the server refuses the ``EXEC``);
     a damaged value nobody touches is deleted."""
     from hicache.storage.redis_local import LocalRedis
 
     with LocalRedis(extra=("--rename-command", "EVAL", "", "--rename-command", "EVALSHA", "")) as server:
-        reader = open_backend(server.url, prefix=prefix, wire=wire)
-        other = open_backend(server.url, prefix=prefix, wire=wire)
+        reader = open_backend(server.url, prefix=prefix)
+        other = open_backend(server.url, prefix=prefix)
         assert isinstance(reader, RedisBackend) and isinstance(other, RedisBackend)
-        src, keys, idx = make_pool(4, seed=23), page_keys(4, f"watch-{wire}"), [0, 1, 2, 3]
+        src, keys, idx = make_pool(4, seed=23), page_keys(4, "watch"), [0, 1, 2, 3]
         assert other.batch_set(keys, src, idx) == 4
         _damage_redis(other, keys[1], "checksum")
         _damage_redis(other, keys[3], "checksum")
-        fingerprint = redis_backend._fingerprint
+        fingerprint = redis_damaged.fingerprint
         checks = 0
 
         def fingerprint_then_rewrite(*parts: Any) -> Any:  # (installed once the read is done: the delete's)
@@ -204,10 +197,10 @@ def test_redis_without_eval_a_write_after_the_check_survives(monkeypatch: pytest
             return out
 
         after_read(monkeypatch, reader, "_run",
-                   lambda: monkeypatch.setattr(redis_backend, "_fingerprint", fingerprint_then_rewrite))
+                   lambda: monkeypatch.setattr(redis_damaged, "fingerprint", fingerprint_then_rewrite))
         got = make_pool(4, seed=None)
         assert reader.batch_get(keys, got, idx) == 1
-        assert reader._no_scripts and checks == 2
+        assert reader._damaged.no_scripts and checks == 2
         assert reader.stats().extra.get("corrupt_deleted") == 1  # page 3 only
         assert reader.batch_exists(keys[3:]) == 0
         one = make_pool(1, seed=None)
@@ -216,30 +209,29 @@ def test_redis_without_eval_a_write_after_the_check_survives(monkeypatch: pytest
 
 @needs_redis
 @pytest.mark.redis
-@pytest.mark.parametrize("wire", ["raw", "pipeline"])
 def test_redis_evalsha_without_eval_falls_back_for_the_pages_it_left(redis_single: Any,
                                                                      open_backend: Callable[..., StorageBackend],
-                                                                     prefix: str, wire: str) -> None:
+                                                                     prefix: str) -> None:
     """A user who may run EVALSHA but not EVAL: while the script is cached, EVALSHA deletes; once the server
     has forgotten it, the pages EVALSHA left go through transactions, and each damaged page goes once."""
-    other = open_backend(redis_single.url, prefix=prefix, wire=wire)
+    other = open_backend(redis_single.url, prefix=prefix)
     assert isinstance(other, RedisBackend)
     user, password = "evalsha-only", "pw-evalsha"
     admin = _client(other)
     admin.acl_setuser(user, enabled=True, passwords=[f"+{password}"], keys=["*"], channels=["*"],
                       commands=["+@all", "-eval"])
     url = redis_single.url.replace("redis://", f"redis://{user}:{password}@", 1)
-    reader = open_backend(url, prefix=prefix, wire=wire)
+    reader = open_backend(url, prefix=prefix)
     assert isinstance(reader, RedisBackend)
-    src, keys, idx = make_pool(4, seed=24), page_keys(4, f"evalsha-{wire}"), [0, 1, 2, 3]
-    admin.script_load(redis_backend._DELETE_DAMAGED)
+    src, keys, idx = make_pool(4, seed=24), page_keys(4, "evalsha"), [0, 1, 2, 3]
+    admin.script_load(redis_damaged.DELETE_DAMAGED)
     for round_ in range(2):  # the script cached, then flushed
         assert other.batch_set(keys, src, idx) == 4
         _damage_redis(other, keys[2], "checksum")
         assert reader.batch_get(keys, make_pool(4, seed=None), idx) == 2
         assert reader.batch_exists(keys[2:3]) == 0
         assert reader.stats().extra.get("corrupt_deleted") == round_ + 1
-        assert reader._no_scripts == (round_ == 1)
+        assert reader._damaged.no_scripts == (round_ == 1)
         admin.script_flush()
 
 

@@ -294,8 +294,8 @@ def _wait_for_slot_owner(clients: dict, slot: int, port: int, timeout_s: float =
 
 
 def test_moved_reply_parses() -> None:
-    """A MOVED reply (ours or redis-py's) gives the slot and the new owner; other errors give None."""
-    from hicache.storage.redis_backend import _moved
+    """A MOVED reply gives the slot and the new owner; other errors give None."""
+    from hicache.storage.redis_nodes import moved as _moved
     from hicache.storage.resp import ReplyError
 
     m = _moved(ReplyError("MOVED 16246 127.0.0.1:47693"))
@@ -315,7 +315,7 @@ def test_cluster_follows_a_moved_slot(redis_cluster, open_backend, prefix) -> No
     keys = page_keys(4, "moved")
     src, dst = make_pool(4, seed=16), make_pool(4, seed=None)
     assert b.batch_exists(keys) == 0  # builds the slot map
-    rc = b._get_cluster()
+    rc = b._nodes.cluster()
     slot = rc.keyslot(b.redis_key(keys[0]))
     owner = rc.nodes_manager.get_node_from_slot(slot)
     clients = {n.port: redis_py.Redis(port=n.port) for n in redis_cluster.nodes}

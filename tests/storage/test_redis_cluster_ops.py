@@ -3,7 +3,7 @@ SIGKILLed and its replica promoted, and slots migrated between masters (``ASK`` 
 split over two nodes, ``MOVED`` once it has moved). Nothing raises out of the backend, no page is ever
 read back with bytes other than those written to its key, the counters account for every failure, and
 once the cluster settles every page reads back from its new home. A Cluster that is down (``CLUSTERDOWN``)
-is a counted store failure on either wire."""
+is a counted store failure."""
 
 from __future__ import annotations
 
@@ -52,14 +52,13 @@ def _delta(a: StorageStats, b: StorageStats) -> StorageStats:
                           ("gets", "get_misses", "sets", "bytes_read", "bytes_written", "corrupt_pages", "errors")))
 
 
-@pytest.mark.parametrize("wire", ["raw", "pipeline"])
-def test_master_killed_under_load_fails_over_without_a_wrong_page(open_backend, prefix, wire) -> None:
+def test_master_killed_under_load_fails_over_without_a_wrong_page(open_backend, prefix) -> None:
     """SIGKILL a master while two threads read, write and probe: calls only ever miss or store nothing
     (counted), never raise or return foreign bytes; within 15 s the backend follows the promoted replica,
     reads back every page written (and replicated) before the kill, stores new pages on the failed
     master's slots, and its breaker is closed again."""
     with LocalRedisCluster(3, replicas=1, node_timeout_ms=500) as cl:
-        b = open_backend(cl.url, prefix=prefix, wire=wire, **OPTS)
+        b = open_backend(cl.url, prefix=prefix, **OPTS)
         assert isinstance(b, RedisBackend)
         src = make_pool(96, seed=23)
         old = page_keys(48, "before-kill")
@@ -116,15 +115,14 @@ def test_master_killed_under_load_fails_over_without_a_wrong_page(open_backend, 
         hc.close()
 
 
-@pytest.mark.parametrize("wire", ["raw", "pipeline"])
-def test_slots_migrated_under_load_follow_ask_and_moved(open_backend, prefix, wire) -> None:
+def test_slots_migrated_under_load_follow_ask_and_moved(open_backend, prefix) -> None:
     """Slots holding pages move from one master to another while two threads read and write: a slot
     half migrated answers ``ASK`` for the keys already moved (and for new ones), a moved slot ``MOVED``;
     the backend follows both within the call -- a batch over every master returns every page in its own
     host page, writes land, nothing is counted as an error -- and afterwards every page reads back from
     its new home."""
     with LocalRedisCluster(3) as cl:
-        b = open_backend(cl.url, prefix=prefix, wire=wire, **OPTS)
+        b = open_backend(cl.url, prefix=prefix, **OPTS)
         assert isinstance(b, RedisBackend)
         clients = {n.port: n.client() for n in cl.nodes}
         try:
@@ -164,7 +162,7 @@ def test_slots_migrated_under_load_follow_ask_and_moved(open_backend, prefix, wi
             assert _delta(before, b.stats()).errors == 0
 
             # the rest moves under load
-            with CheckedLoad(b, src, old, fresh_salt=f"fresh-{wire}") as load:
+            with CheckedLoad(b, src, old, fresh_salt="fresh") as load:
                 load.wait_rounds(1)
                 for s in moving[9:]:
                     mover.move(s)
@@ -222,20 +220,19 @@ def test_slots_moved_to_a_new_master_follow_ask_to_a_node_no_slot_map_lists(open
                 c.close()
 
 
-@pytest.mark.parametrize("wire", ["raw", "pipeline"])
-def test_cluster_down_is_a_counted_failure_and_passes(open_backend, prefix, wire) -> None:
+def test_cluster_down_is_a_counted_failure_and_passes(open_backend, prefix) -> None:
     """A slot served by no master puts the Cluster in ``fail`` state: every key answers ``CLUSTERDOWN``.
-    On either wire that is a store failure -- counted, retried, the breaker opened -- not a quiet miss;
+    That is a store failure -- counted, retried, the breaker opened -- not a quiet miss;
     once the slot is served again the pages read back."""
     with LocalRedisCluster(3) as cl:
-        b = open_backend(cl.url, prefix=prefix, wire=wire, **OPTS)
+        b = open_backend(cl.url, prefix=prefix, **OPTS)
         assert isinstance(b, RedisBackend)
         clients = {n.port: n.client() for n in cl.nodes}
         try:
             keys = page_keys(24, "down")
             src = make_pool(24, seed=31)
             assert b.batch_set(keys, src, list(range(24))) == 24
-            slot = b._get_cluster().keyslot(b.redis_key(keys[0]))
+            slot = b._nodes.cluster().keyslot(b.redis_key(keys[0]))
             owner = next(p for p, c in clients.items() if slot_owner_port(c, slot) == p)
             for c in clients.values():
                 c.execute_command("CLUSTER", "DELSLOTS", slot)
@@ -266,21 +263,16 @@ def test_cluster_down_is_a_counted_failure_and_passes(open_backend, prefix, wire
     "CLUSTERDOWN The cluster is down", "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is 'no'.",
     "READONLY You can't write against a read only replica.", "LOADING Redis is loading the dataset in memory",
     "BUSY Redis is busy running a script."])
-def test_transient_replies_are_transient_on_both_wires(reply: str) -> None:
-    """The raw wire sees a reply as it came; the ``pipeline`` wire as redis-py parsed it (a class of its own,
-    the first word dropped). Either way it is a transient store error, and a redirection is one."""
-    from redis._parsers.base import BaseParser
-
-    from hicache.storage.redis_backend import _redirection, is_transient
+def test_transient_replies_are_transient(reply: str) -> None:
+    """A reply as it came off the wire is a transient store error, and a redirection is one."""
+    from hicache.storage.redis_nodes import is_transient, redirection
     from hicache.storage.resp import ReplyError
 
-    parsed = BaseParser.parse_error(reply)
-    assert is_transient(ReplyError(reply)) and is_transient(parsed)
+    assert is_transient(ReplyError(reply))
+    r = redirection(ReplyError(reply))
     if reply.split(" ")[0] in ("MOVED", "ASK"):
-        for e in (ReplyError(reply), parsed):
-            r = _redirection(e)
-            assert r is not None and (r.slot_id, r.host, r.port) == (7, "127.0.0.1", 7000)
-            assert isinstance(r, redis.exceptions.MovedError) == reply.startswith("MOVED")
+        assert r is not None and (r.slot_id, r.host, r.port) == (7, "127.0.0.1", 7000)
+        assert isinstance(r, redis.exceptions.MovedError) == reply.startswith("MOVED")
     else:
-        assert _redirection(parsed) is None
-    assert not is_transient(BaseParser.parse_error("WRONGTYPE Operation against a key holding the wrong kind"))
+        assert r is None
+    assert not is_transient(ReplyError("WRONGTYPE Operation against a key holding the wrong kind"))

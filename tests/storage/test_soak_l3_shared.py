@@ -98,9 +98,7 @@ def open_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Ite
                     pass
 
             try:
-                # worker 1 reads and writes through plain redis-py pipelines, worker 0 the zero-copy path
-                yield Store(server.url, dict(FAST_FAIL), rfaults, ({}, {"wire": "pipeline"}),
-                            {0.3: restart, 0.6: flushall})
+                yield Store(server.url, dict(FAST_FAIL), rfaults, once={0.3: restart, 0.6: flushall})
             finally:
                 client.close()
     elif kind == "cluster":  # the session's cluster, under a prefix of this test's own
@@ -243,14 +241,13 @@ def test_file_store_node_writes_again_after_another_node_wiped_the_store(
 
 @needs_redis
 @pytest.mark.redis
-@pytest.mark.parametrize("wire", ["raw", "pipeline"])
 def test_redis_value_of_another_type_at_a_page_key_is_a_damaged_page(
-        wire: str, redis_single: LocalRedis, prefix: str, open_backend: Callable[..., StorageBackend]) -> None:
+        redis_single: LocalRedis, prefix: str, open_backend: Callable[..., StorageBackend]) -> None:
     """The soak's ``wrong_type`` fault, made deterministic: a list where a page's string was (another
     application's key, a foreign writer) is a damaged page like a string of the wrong size -- a miss, counted
     in ``corrupt_pages`` and deleted, so the store stops claiming the page exists."""
-    b = open_backend(redis_single.url, prefix=prefix, wire=wire)
-    pool, keys, idx = make_pool(4), page_keys(4, wire), [0, 1, 2, 3]
+    b = open_backend(redis_single.url, prefix=prefix)
+    pool, keys, idx = make_pool(4), page_keys(4, "wrong-type"), [0, 1, 2, 3]
     assert b.batch_set(keys, pool, idx) == 4
     client = redis_single.client()
     rk = b.redis_key(keys[2])  # type: ignore[attr-defined]
