@@ -1,23 +1,43 @@
-"""What the sync and asyncio clients share: channel settings, request builders, retry policy, and
-the ids of Match requests the clients name themselves (:func:`new_request_id`, :func:`may_have_opened`)."""
+"""Everything of the node clients but the transport (:mod:`hicache.client.sync` and
+:mod:`hicache.client.aio` only run what this builds, blocking or awaited).
+
+* channel settings (:class:`ChannelSettings`), retries (:class:`RetryPolicy`, :func:`retryable`);
+* every unary call as a :class:`Unary`: stub method, request, whether a repeat is safe, reply decoder and
+  what an attempt's error means (:func:`match_call`, :func:`release_call`, ...), run by :func:`run_sync` /
+  :func:`run_async`;
+* the requests and reply decoders of the streaming calls;
+* the ids of Match requests the clients name themselves (:func:`new_request_id`, :func:`may_have_opened`)
+  and the mapping of stream errors (:class:`CallError`, :func:`check_reply`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 import numpy as np
 
+from hicache.client.types import (
+    ClearResult,
+    CommitResult,
+    FlushResult,
+    MatchResult,
+    PinInfo,
+    PoolInfo,
+    PrefetchProgress,
+    Stats,
+)
 from hicache.keys import tokens_to_bytes
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
+from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 
 Tokens = bytes | np.ndarray | Sequence[int]
 
@@ -197,15 +217,22 @@ def retry_pause(e: Any, attempt: int, end: float, retry: RetryPolicy, idempotent
 
 
 def call_sync(method: Callable[..., R], request: Any, timeout_s: float, metadata: Any, retry: RetryPolicy,
-              idempotent: bool, final: Callable[[grpc.RpcError], bool] | None = None) -> R:
+              idempotent: bool, final: Callable[[grpc.RpcError], bool] | None = None,
+              failed: Callable[[BaseException], Any | None] | None = None) -> R:
     """One blocking unary call, tried again on UNAVAILABLE as ``retry`` says (:func:`retryable`), within
-    ``timeout_s`` in all; ``final``: errors not to retry even so (a server's own refusal)."""
+    ``timeout_s`` in all; ``final``: errors not to retry even so (a server's own refusal); ``failed``:
+    sees every attempt's error and may return a reply to use instead (:meth:`Unary.failed`)."""
     end = time.monotonic() + timeout_s
     attempt = 0
     while True:
         try:
             return method(request, timeout=max(0.001, end - time.monotonic()), metadata=metadata)
-        except grpc.RpcError as e:
+        except BaseException as e:
+            reply = failed(e) if failed is not None else None
+            if reply is not None:
+                return reply  # type: ignore[no-any-return]
+            if not isinstance(e, grpc.RpcError):
+                raise
             attempt += 1
             pause = retry_pause(e, attempt, end, retry, idempotent, final)
             if pause is None:
@@ -215,15 +242,20 @@ def call_sync(method: Callable[..., R], request: Any, timeout_s: float, metadata
 
 async def call_async(method: Callable[..., Awaitable[R]], request: Any, timeout_s: float, metadata: Any,
                      retry: RetryPolicy, idempotent: bool,
-                     final: Callable[[grpc.aio.AioRpcError], bool] | None = None) -> R:
-    """One asyncio unary call, tried again on UNAVAILABLE as ``retry`` says (:func:`retryable`), within
-    ``timeout_s`` in all; ``final``: errors not to retry even so (a server's own refusal)."""
+                     final: Callable[[grpc.aio.AioRpcError], bool] | None = None,
+                     failed: Callable[[BaseException], Any | None] | None = None) -> R:
+    """:func:`call_sync` for an asyncio stub."""
     end = time.monotonic() + timeout_s
     attempt = 0
     while True:
         try:
             return await method(request, timeout=max(0.001, end - time.monotonic()), metadata=metadata)
-        except grpc.aio.AioRpcError as e:
+        except BaseException as e:
+            reply = failed(e) if failed is not None else None
+            if reply is not None:
+                return reply  # type: ignore[no-any-return]
+            if not isinstance(e, grpc.aio.AioRpcError):
+                raise
             attempt += 1
             pause = retry_pause(e, attempt, end, retry, idempotent, final)
             if pause is None:
@@ -271,3 +303,196 @@ def may_have_opened(err: BaseException) -> bool:
         details = getattr(err, "details", None)
         return _REPLY_TOO_LARGE in ((details() if callable(details) else "") or "")
     return c not in _REFUSED
+
+
+# ---------------------------------------------------------------------------------------------- unary calls
+class Unary(Generic[R]):
+    """One unary call, transport-free: the stub's ``method`` (by name), its ``request``, ``idempotent``
+    (a repeat after a lost reply changes nothing: see :class:`RetryPolicy`) and ``decode`` (reply ->
+    result). One object per call: :meth:`failed` may keep state across its attempts."""
+
+    def __init__(self, method: str, request: Any, decode: Callable[[Any], R], idempotent: bool) -> None:
+        self.method = method
+        self.request = request
+        self.decode = decode
+        self.idempotent = idempotent
+
+    def failed(self, e: BaseException) -> Any | None:
+        """Called with each attempt's error (a cancellation or interruption included): a reply to use
+        instead, or None (the error stands, and is retried or raised)."""
+        return None
+
+
+class MatchCall(Unary[MatchResult]):
+    """A Match. ``owned``: the client made up its ``request_id`` (the caller gave none, not a peek); then,
+    when the call fails, ``abandon`` says whether an attempt may have opened the request on the node
+    (:func:`may_have_opened`), which the client must then release (nobody else knows the id)."""
+
+    def __init__(self, req: pb.MatchRequest, owned: bool) -> None:
+        super().__init__("Match", req, MatchResult.from_pb, match_idempotent(req))
+        self.owned = owned
+        self.abandon = False
+
+    def failed(self, e: BaseException) -> None:
+        self.abandon = self.abandon or (self.owned and may_have_opened(e))
+        return None
+
+
+def match_call(tokens: Tokens, request_id: str, tenant: str, load: bool, skip_l3: bool, peek: bool,
+               return_keys: bool) -> MatchCall:
+    """A Match; with no ``request_id`` (and not ``peek``) under an id the client makes up."""
+    owned = not request_id and not peek
+    req = match_request(tokens, new_request_id() if owned else request_id, tenant, load, skip_l3, peek,
+                        return_keys)
+    return MatchCall(req, owned)
+
+
+class _Release(Unary[None]):
+    """Release, retried like a read: a repeat that finds the request gone after an attempt that may have
+    reached the node returns normally (that attempt released it)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__("Release", pb.ReleaseRequest(request_id=request_id), lambda r: None, True)
+        self._maybe_taken = False
+
+    def failed(self, e: BaseException) -> pb.ReleaseResponse | None:
+        if not isinstance(e, grpc.RpcError):
+            return None
+        if self._maybe_taken and e.code() == grpc.StatusCode.NOT_FOUND:
+            return pb.ReleaseResponse()
+        self._maybe_taken = self._maybe_taken or not never_sent(e)
+        return None
+
+
+def release_call(request_id: str) -> Unary[None]:
+    return _Release(request_id)
+
+
+def _device_indices(r: pb.AllocateResponse) -> np.ndarray:
+    return np.asarray(r.device_indices, dtype=np.int64)
+
+
+def _pins(r: pb.ListPinsResponse) -> list[PinInfo]:
+    return [PinInfo.from_pb(p) for p in r.pins]
+
+
+def allocate_call(request_id: str, num_pages: int) -> Unary[np.ndarray]:
+    return Unary("Allocate", pb.AllocateRequest(request_id=request_id, num_pages=num_pages), _device_indices, False)
+
+
+def commit_call(request_id: str, tokens: Tokens, device_indices: Sequence[int] | np.ndarray) -> Unary[CommitResult]:
+    return Unary("Commit", commit_request(request_id, tokens, device_indices), CommitResult.from_pb, False)
+
+
+def stats_call() -> Unary[Stats]:
+    return Unary("Stats", pb.StatsRequest(), Stats.from_pb, True)
+
+
+def flush_call() -> Unary[FlushResult]:
+    return Unary("Flush", pb.FlushRequest(), FlushResult.from_pb, True)
+
+
+def clear_call() -> Unary[ClearResult]:
+    return Unary("Clear", pb.ClearRequest(), ClearResult.from_pb, False)
+
+
+def pin_call(tokens: Tokens, tenant: str) -> Unary[PinInfo]:
+    return Unary("Pin", pb.PinRequest(namespace=ns_ref(tenant), tokens=encode_tokens(tokens)), PinInfo.from_pb,
+                 False)
+
+
+def unpin_call(pin_id: int) -> Unary[PinInfo]:
+    return Unary("Unpin", pb.UnpinRequest(pin_id=pin_id), PinInfo.from_pb, False)
+
+
+def pins_call() -> Unary[list[PinInfo]]:
+    return Unary("ListPins", pb.ListPinsRequest(), _pins, True)
+
+
+def pool_info_call() -> Unary[PoolInfo]:
+    return Unary("GetPoolInfo", pb.GetPoolInfoRequest(), PoolInfo.from_pb, True)
+
+
+def attach_call() -> Unary[PoolInfo]:
+    return Unary("Attach", pb.AttachRequest(), PoolInfo.from_pb, True)
+
+
+def run_sync(stub: Any, call: Unary[R], timeout_s: float, metadata: Any, retry: RetryPolicy) -> R:
+    """``call`` on a blocking stub, with retries (:func:`call_sync`)."""
+    return call.decode(call_sync(getattr(stub, call.method), call.request, timeout_s, metadata, retry,
+                                 call.idempotent, failed=call.failed))
+
+
+async def run_async(stub: Any, call: Unary[R], timeout_s: float, metadata: Any, retry: RetryPolicy) -> R:
+    """``call`` on an asyncio stub, with retries (:func:`call_async`)."""
+    return call.decode(await call_async(getattr(stub, call.method), call.request, timeout_s, metadata, retry,
+                                        call.idempotent, failed=call.failed))
+
+
+class ClientBase:
+    """What both node clients hold: channel settings, default deadline, retries, the channel (of
+    ``_grpc``: ``grpc`` or ``grpc.aio``) and its stub, and the closings of requests a failed Match under a
+    client-made id may have opened (see ``match``).
+
+    ``timeout_s``: default deadline of unary calls, ``prefetch``, ``read_pages`` and ``write_pages``;
+    ``retry``: backoff for unary calls failing with UNAVAILABLE (when a retry is safe: see
+    :class:`RetryPolicy`); ``token``: sent as ``authorization: Bearer``;
+    ``root_certificates`` / ``client_cert`` / ``client_key``: PEM file paths (TLS, mTLS); ``tls``: TLS with
+    the system's roots; ``reconnect_max_s``: the longest wait between connection attempts to a node that
+    went away (gRPC's own default grows to 120 s)."""
+
+    _grpc: Any
+
+    def __init__(self, target: str, *, token: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 retry: RetryPolicy | None = None, root_certificates: str = "", client_cert: str = "",
+                 client_key: str = "", tls: bool = False, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 reconnect_max_s: float = DEFAULT_RECONNECT_MAX_S) -> None:
+        self.settings = ChannelSettings(target, token, root_certificates, client_cert, client_key, tls,
+                                        max_message_bytes, reconnect_max_s)
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        creds = self.settings.credentials()
+        opts = self.settings.options()
+        self.channel = (self._grpc.secure_channel(target, creds, options=opts) if creds is not None
+                        else self._grpc.insecure_channel(target, options=opts))
+        self.stub = pb_grpc.HiCacheStub(self.channel)
+        self._md = self.settings.metadata()
+        self._abandoning: set[Any] = set()  # threads / tasks closing requests no reply named
+        self._abandoning_lock = threading.Lock()
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+
+# ---------------------------------------------------------------------------------------------- streams
+def prefetch_request(request_id: str, stream_progress: bool, progress_interval_ms: int) -> pb.PrefetchRequest:
+    return pb.PrefetchRequest(request_id=request_id, stream_progress=stream_progress,
+                              progress_interval_ms=progress_interval_ms)
+
+
+def prefetch_progress(m: pb.PrefetchProgress) -> PrefetchProgress:
+    return PrefetchProgress.from_pb(m)
+
+
+def read_pages_request(tokens: Tokens, tenant: str, max_pages: int) -> pb.ReadPagesRequest:
+    return pb.ReadPagesRequest(namespace=ns_ref(tenant), tokens=encode_tokens(tokens), max_pages=max_pages)
+
+
+class PagesRead:
+    """ReadPages' chunks as they come (:meth:`add`), then :meth:`result`: page keys and page bytes."""
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+        self._parts: list[bytes] = []
+
+    def add(self, chunk: pb.PageChunk) -> None:
+        self.keys.extend(chunk.page_keys)
+        self._parts.append(chunk.data)
+
+    def result(self) -> tuple[list[bytes], bytes]:
+        return self.keys, b"".join(self._parts)
+
+
+def stream_match_result(m: pb.MatchResponse) -> MatchResult:
+    """A MatchStream reply as a result (:class:`CallError` when it carries a refusal)."""
+    return MatchResult.from_pb(check_reply(m))

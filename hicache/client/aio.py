@@ -18,34 +18,23 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import numpy as np
 
+from hicache.client import _common as core
 from hicache.client._common import (
     ABANDON_CLOSE_WAIT_S,
     ABANDON_RELEASE_TIMEOUT_S,
-    DEFAULT_RECONNECT_MAX_S,
-    DEFAULT_TIMEOUT_S,
     CallError,
-    ChannelSettings,
-    RetryPolicy,
+    ClientBase,
     Tokens,
-    call_async,
-    check_reply,
-    commit_request,
-    encode_tokens,
+    Unary,
     log,
-    match_idempotent,
-    match_request,
     may_have_opened,
-    never_sent,
-    new_request_id,
-    ns_ref,
-    write_pages_messages,
 )
 from hicache.client.attach import AttachedPool, attach_pool
 from hicache.client.types import (
@@ -60,28 +49,11 @@ from hicache.client.types import (
     Stats,
 )
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
-from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 
 R = TypeVar("R")
 
 
-class _Attempts:
-    """Wraps the stub's Match for :meth:`AsyncHiCacheClient._call`: remembers whether any attempt may have
-    opened the request (:func:`may_have_opened`), so that a Match failing after a retry still knows."""
-
-    def __init__(self, method: Callable[..., Awaitable[pb.MatchResponse]]) -> None:
-        self.method = method
-        self.may_have_opened = False
-
-    async def __call__(self, request: pb.MatchRequest, **kw: Any) -> pb.MatchResponse:
-        try:
-            return await self.method(request, **kw)
-        except BaseException as e:  # the caller's cancellation included: the node may have opened it
-            self.may_have_opened = self.may_have_opened or may_have_opened(e)
-            raise
-
-
-class AsyncHiCacheClient:
+class AsyncHiCacheClient(ClientBase):
     """asyncio mirror of :class:`~hicache.client.HiCacheClient`: the same arguments, calls (all but
     ``attach_info``), deadlines, retries and status codes (as ``grpc.aio.AioRpcError``), awaited;
     ``prefetch`` and ``watch_events`` are async iterators. Use it from one event loop.
@@ -91,29 +63,12 @@ class AsyncHiCacheClient:
     little for those closings.
     """
 
-    def __init__(self, target: str, *, token: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 retry: RetryPolicy | None = None, root_certificates: str = "", client_cert: str = "",
-                 client_key: str = "", tls: bool = False, max_message_bytes: int = 64 << 20,
-                 reconnect_max_s: float = DEFAULT_RECONNECT_MAX_S) -> None:
-        self.settings = ChannelSettings(target, token, root_certificates, client_cert, client_key, tls,
-                                        max_message_bytes, reconnect_max_s)
-        self.timeout_s = timeout_s
-        self.retry = retry or RetryPolicy()
-        creds = self.settings.credentials()
-        opts = self.settings.options()
-        self.channel = (grpc.aio.secure_channel(target, creds, options=opts) if creds is not None
-                        else grpc.aio.insecure_channel(target, options=opts))
-        self.stub = pb_grpc.HiCacheStub(self.channel)
-        self._md = self.settings.metadata()
-        self._abandoning: set[asyncio.Task[None]] = set()  # closings of requests no reply named (see match)
+    _grpc = grpc.aio
+    channel: grpc.aio.Channel
 
-    async def _call(self, method: Callable[..., Awaitable[R]], request: Any, timeout_s: float | None, *,
-                    idempotent: bool = False) -> R:
-        """One unary call, tried again on UNAVAILABLE as :class:`RetryPolicy` says (``idempotent``: a
-        repeat changes nothing, so it may follow a failure after the server took the call; by default
-        a call is not)."""
-        return await call_async(method, request, self.timeout_s if timeout_s is None else timeout_s, self._md,
-                                self.retry, idempotent)
+    async def _unary(self, call: Unary[R], timeout_s: float | None) -> R:
+        """One unary call, tried again on UNAVAILABLE as :class:`RetryPolicy` says."""
+        return await core.run_async(self.stub, call, self._deadline(timeout_s), self._md, self.retry)
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Wait until the channel connects (``TimeoutError`` after ``timeout_s``)."""
@@ -162,18 +117,12 @@ class AsyncHiCacheClient:
         the error or cancellation reaches the caller at once, as it would without that. A ``request_id``
         the caller names is the caller's to release.
         """
-        owned = not request_id and not peek
-        req = match_request(tokens, new_request_id() if owned else request_id, tenant, load, skip_l3, peek,
-                            return_keys)
-        if not owned:
-            return MatchResult.from_pb(await self._call(self.stub.Match, req, timeout_s,
-                                                        idempotent=match_idempotent(req)))
-        attempts = _Attempts(self.stub.Match)
+        call = core.match_call(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
         try:
-            return MatchResult.from_pb(await self._call(attempts, req, timeout_s, idempotent=True))
+            return await self._unary(call, timeout_s)
         except BaseException:
-            if attempts.may_have_opened:
-                self._abandon_later(req)
+            if call.abandon:
+                self._abandon_later(call.request)
             raise
 
     def match_stream(self, pipelined: bool = False) -> AsyncMatchStream:
@@ -187,79 +136,54 @@ class AsyncHiCacheClient:
     async def prefetch(self, request_id: str, *, stream_progress: bool = False, progress_interval_ms: int = 0,
                        timeout_s: float | None = None) -> AsyncIterator[PrefetchProgress]:
         """As :meth:`HiCacheClient.prefetch`: progress messages (when asked), then the ``done`` one."""
-        req = pb.PrefetchRequest(request_id=request_id, stream_progress=stream_progress,
-                                 progress_interval_ms=progress_interval_ms)
-        call = self.stub.Prefetch(req, timeout=self.timeout_s if timeout_s is None else timeout_s, metadata=self._md)
-        async for m in call:
-            yield PrefetchProgress.from_pb(m)
+        req = core.prefetch_request(request_id, stream_progress, progress_interval_ms)
+        async for m in self.stub.Prefetch(req, timeout=self._deadline(timeout_s), metadata=self._md):
+            yield core.prefetch_progress(m)
 
     async def allocate(self, request_id: str, num_pages: int, timeout_s: float | None = None) -> np.ndarray:
         """As :meth:`HiCacheClient.allocate`: L1 pages (int64) owned by the open request."""
-        r = await self._call(self.stub.Allocate, pb.AllocateRequest(request_id=request_id, num_pages=num_pages),
-                             timeout_s, idempotent=False)
-        return np.asarray(r.device_indices, dtype=np.int64)
+        return await self._unary(core.allocate_call(request_id, num_pages), timeout_s)
 
     async def commit(self, request_id: str, tokens: Tokens, device_indices: Sequence[int] | np.ndarray,
                      timeout_s: float | None = None) -> CommitResult:
         """As :meth:`HiCacheClient.commit`: insert the request's pages (the request stays open)."""
-        r = await self._call(self.stub.Commit, commit_request(request_id, tokens, device_indices), timeout_s,
-                             idempotent=False)
-        return CommitResult.from_pb(r)
+        return await self._unary(core.commit_call(request_id, tokens, device_indices), timeout_s)
 
     async def release(self, request_id: str, timeout_s: float | None = None) -> None:
         """As :meth:`HiCacheClient.release`: close the request."""
-        maybe_taken = False  # an earlier attempt may have reached the server
-
-        async def once(request: pb.ReleaseRequest, **kw: Any) -> pb.ReleaseResponse:
-            nonlocal maybe_taken
-            try:
-                return await self.stub.Release(request, **kw)
-            except grpc.aio.AioRpcError as e:
-                if maybe_taken and e.code() == grpc.StatusCode.NOT_FOUND:
-                    return pb.ReleaseResponse()  # a repeat: the attempt whose reply was lost released it
-                maybe_taken = maybe_taken or not never_sent(e)
-                raise
-
-        await self._call(once, pb.ReleaseRequest(request_id=request_id), timeout_s, idempotent=True)
+        await self._unary(core.release_call(request_id), timeout_s)
 
     async def stats(self, timeout_s: float | None = None) -> Stats:
         """As :meth:`HiCacheClient.stats`: the node's pools, hit counters, L3 counters and pins."""
-        return Stats.from_pb(await self._call(self.stub.Stats, pb.StatsRequest(), timeout_s, idempotent=True))
+        return await self._unary(core.stats_call(), timeout_s)
 
     async def flush(self, timeout_s: float | None = None) -> FlushResult:
-        """Wait (up to the call's deadline) until the node's backups in flight and queued L3 writes are
-        done; ``complete`` says everything reached the store."""
-        return FlushResult.from_pb(await self._call(self.stub.Flush, pb.FlushRequest(), timeout_s, idempotent=True))
+        """As :meth:`HiCacheClient.flush`: wait for the node's backups and queued L3 writes."""
+        return await self._unary(core.flush_call(), timeout_s)
 
     async def clear(self, timeout_s: float | None = None) -> ClearResult:
-        """Drop every L1 and L2 page on the node that no request holds and no pin keeps (L3 untouched)."""
-        return ClearResult.from_pb(await self._call(self.stub.Clear, pb.ClearRequest(), timeout_s, idempotent=False))
+        """As :meth:`HiCacheClient.clear`: drop every unheld, unpinned L1 and L2 page on the node."""
+        return await self._unary(core.clear_call(), timeout_s)
 
     async def pin(self, tokens: Tokens, *, tenant: str = "", timeout_s: float | None = None) -> PinInfo:
-        """Keep the cached prefix of ``tokens`` on its tiers on the node until :meth:`unpin` (pins what is
-        cached now; NOT_FOUND when nothing is, RESOURCE_EXHAUSTED past the node's pinned-page bound)."""
-        req = pb.PinRequest(namespace=ns_ref(tenant), tokens=encode_tokens(tokens))
-        return PinInfo.from_pb(await self._call(self.stub.Pin, req, timeout_s, idempotent=False))
+        """As :meth:`HiCacheClient.pin`: keep the cached prefix of ``tokens`` until :meth:`unpin`."""
+        return await self._unary(core.pin_call(tokens, tenant), timeout_s)
 
     async def unpin(self, pin_id: int, timeout_s: float | None = None) -> PinInfo:
         """End pin ``pin_id`` (NOT_FOUND when there is no such pin)."""
-        return PinInfo.from_pb(await self._call(self.stub.Unpin, pb.UnpinRequest(pin_id=pin_id), timeout_s,
-                                                idempotent=False))
+        return await self._unary(core.unpin_call(pin_id), timeout_s)
 
     async def pins(self, timeout_s: float | None = None) -> list[PinInfo]:
         """The pins the node holds, oldest first."""
-        resp = await self._call(self.stub.ListPins, pb.ListPinsRequest(), timeout_s, idempotent=True)
-        return [PinInfo.from_pb(p) for p in resp.pins]
+        return await self._unary(core.pins_call(), timeout_s)
 
     async def pool_info(self, timeout_s: float | None = None) -> PoolInfo:
         """As :meth:`HiCacheClient.pool_info`: KV layout and L1 pool geometry, no handle."""
-        return PoolInfo.from_pb(await self._call(self.stub.GetPoolInfo, pb.GetPoolInfoRequest(), timeout_s,
-                                                 idempotent=True))
+        return await self._unary(core.pool_info_call(), timeout_s)
 
     async def attach(self, timeout_s: float | None = None) -> AttachedPool:
         """As :meth:`HiCacheClient.attach`: map the node's shared L1 pool into this process (same host)."""
-        info = PoolInfo.from_pb(await self._call(self.stub.Attach, pb.AttachRequest(), timeout_s, idempotent=True))
-        return attach_pool(info)
+        return attach_pool(await self._unary(core.attach_call(), timeout_s))
 
     async def watch_events(self, max_queue: int = 0, timeout_s: float | None = None) -> AsyncIterator[Event]:
         """As :meth:`HiCacheClient.watch_events`: a snapshot, then every event (no deadline by default)."""
@@ -274,23 +198,18 @@ class AsyncHiCacheClient:
     async def read_pages(self, tokens: Tokens, *, tenant: str = "", max_pages: int = 0,
                          timeout_s: float | None = None) -> tuple[list[bytes], bytes]:
         """As :meth:`HiCacheClient.read_pages`: page keys and page-first bytes of the cached prefix."""
-        req = pb.ReadPagesRequest(namespace=ns_ref(tenant), tokens=encode_tokens(tokens), max_pages=max_pages)
-        keys: list[bytes] = []
-        parts: list[bytes] = []
-        call = self.stub.ReadPages(req, timeout=self.timeout_s if timeout_s is None else timeout_s,
-                                   metadata=self._md)
-        async for chunk in call:
-            keys.extend(chunk.page_keys)
-            parts.append(chunk.data)
-        return keys, b"".join(parts)
+        out = core.PagesRead()
+        async for chunk in self.stub.ReadPages(core.read_pages_request(tokens, tenant, max_pages),
+                                               timeout=self._deadline(timeout_s), metadata=self._md):
+            out.add(chunk)
+        return out.result()
 
     async def write_pages(self, tokens: Tokens, data: bytes | memoryview, *, first_page: int = 0,
                           tenant: str = "", chunk_bytes: int = 4 << 20,
                           timeout_s: float | None = None) -> CommitResult:
         """As :meth:`HiCacheClient.write_pages`: send page bytes for the node to commit."""
-        msgs = write_pages_messages(tokens, data, first_page, tenant, chunk_bytes)
-        r = await self.stub.WritePages(iter(msgs), timeout=self.timeout_s if timeout_s is None else timeout_s,
-                                       metadata=self._md)
+        msgs = core.write_pages_messages(tokens, data, first_page, tenant, chunk_bytes)
+        r = await self.stub.WritePages(iter(msgs), timeout=self._deadline(timeout_s), metadata=self._md)
         return CommitResult.from_pb(r)
 
 
@@ -422,9 +341,8 @@ class AsyncMatchStream:
         """As :meth:`HiCacheClient.match`, over the stream; a refusal raises :class:`CallError`. With no
         ``request_id`` (not a peek) the client makes one up, and releases it if the call is cancelled or
         the stream fails before the reply reaches the caller (see :class:`AsyncMatchStream`)."""
-        owned = not request_id and not peek
-        req = match_request(tokens, new_request_id() if owned else request_id, tenant, load, skip_l3, peek,
-                            return_keys)
+        call = core.match_call(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
+        req, owned = call.request, call.owned
         fut: asyncio.Future[pb.MatchResponse] = asyncio.get_running_loop().create_future()
         try:
             await asyncio.shield(self._send(req, fut, owned))
@@ -435,7 +353,7 @@ class AsyncMatchStream:
                 self._unclaimed(req if owned else None, fut.result())
             fut.cancel()  # not written yet: it never will be; written: its reply is dropped when it comes
             raise
-        return MatchResult.from_pb(check_reply(m))
+        return core.stream_match_result(m)
 
     async def close(self) -> None:
         """End the request side of the stream; when pipelined, wait for the replies still due. Later

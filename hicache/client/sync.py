@@ -29,34 +29,23 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
+from hicache.client import _common as core
 from hicache.client._common import (
     ABANDON_CLOSE_WAIT_S,
     ABANDON_RELEASE_TIMEOUT_S,
-    DEFAULT_RECONNECT_MAX_S,
-    DEFAULT_TIMEOUT_S,
     CallError,
-    ChannelSettings,
-    RetryPolicy,
+    ClientBase,
     Tokens,
-    call_sync,
-    check_reply,
-    commit_request,
-    encode_tokens,
+    Unary,
     log,
-    match_idempotent,
-    match_request,
     may_have_opened,
-    never_sent,
-    new_request_id,
-    ns_ref,
-    write_pages_messages,
 )
 from hicache.client.attach import AttachedPool, attach_pool
 from hicache.client.types import (
@@ -71,36 +60,13 @@ from hicache.client.types import (
     Stats,
 )
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
-from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 
 R = TypeVar("R")
 
 
-class _Attempts:
-    """Wraps the stub's Match for :meth:`HiCacheClient._call`: remembers whether any attempt may have
-    opened the request (:func:`may_have_opened`), so that a Match failing after a retry still knows."""
-
-    def __init__(self, method: Callable[..., pb.MatchResponse]) -> None:
-        self.method = method
-        self.may_have_opened = False
-
-    def __call__(self, request: pb.MatchRequest, **kw: Any) -> pb.MatchResponse:
-        try:
-            return self.method(request, **kw)
-        except BaseException as e:
-            self.may_have_opened = self.may_have_opened or may_have_opened(e)
-            raise
-
-
-class HiCacheClient:
-    """Blocking client of one node's ``hicache.v1.HiCache`` service, over one gRPC channel.
-
-    ``timeout_s``: default deadline of unary calls, ``prefetch``, ``read_pages`` and ``write_pages``;
-    ``retry``: backoff for unary calls failing with UNAVAILABLE (when a retry is safe: see
-    :class:`RetryPolicy`); ``token``: sent as ``authorization: Bearer``;
-    ``root_certificates`` / ``client_cert`` / ``client_key``: PEM file paths (TLS, mTLS); ``tls``: TLS with
-    the system's roots; ``reconnect_max_s``: the longest wait between connection attempts to a node that
-    went away (gRPC's own default grows to 120 s). Calls may come from several threads at once; a
+class HiCacheClient(ClientBase):
+    """Blocking client of one node's ``hicache.v1.HiCache`` service, over one gRPC channel (arguments:
+    :class:`~hicache.client._common.ClientBase`). Calls may come from several threads at once; a
     :class:`MatchStream` may not.
 
     A Match the client named the request of (the caller gave no ``request_id``) and that failed after the
@@ -108,31 +74,12 @@ class HiCacheClient:
     little for those closings.
     """
 
-    def __init__(self, target: str, *, token: str = "", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 retry: RetryPolicy | None = None, root_certificates: str = "", client_cert: str = "",
-                 client_key: str = "", tls: bool = False, max_message_bytes: int = 64 << 20,
-                 reconnect_max_s: float = DEFAULT_RECONNECT_MAX_S) -> None:
-        self.settings = ChannelSettings(target, token, root_certificates, client_cert, client_key, tls,
-                                        max_message_bytes, reconnect_max_s)
-        self.timeout_s = timeout_s
-        self.retry = retry or RetryPolicy()
-        creds = self.settings.credentials()
-        opts = self.settings.options()
-        self.channel = (grpc.secure_channel(target, creds, options=opts) if creds is not None
-                        else grpc.insecure_channel(target, options=opts))
-        self.stub = pb_grpc.HiCacheStub(self.channel)
-        self._md = self.settings.metadata()
-        self._abandoning: set[threading.Thread] = set()  # closings of requests no reply named (see match)
-        self._abandoning_lock = threading.Lock()
+    _grpc = grpc
+    channel: grpc.Channel
 
-    # ------------------------------------------------------------------ plumbing
-    def _call(self, method: Callable[..., R], request: Any, timeout_s: float | None, *,
-              idempotent: bool = False) -> R:
-        """One unary call, tried again on UNAVAILABLE as :class:`RetryPolicy` says (``idempotent``: a
-        repeat changes nothing, so it may follow a failure after the server took the call; by default
-        a call is not)."""
-        return call_sync(method, request, self.timeout_s if timeout_s is None else timeout_s, self._md, self.retry,
-                         idempotent)
+    def _unary(self, call: Unary[R], timeout_s: float | None) -> R:
+        """One unary call, tried again on UNAVAILABLE as :class:`RetryPolicy` says."""
+        return core.run_sync(self.stub, call, self._deadline(timeout_s), self._md, self.retry)
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Block until the channel connects (``grpc.FutureTimeoutError`` after ``timeout_s``)."""
@@ -195,17 +142,12 @@ class HiCacheClient:
         under that attempt: it is released too). A ``request_id`` the caller names is the caller's to
         release in every case.
         """
-        owned = not request_id and not peek
-        req = match_request(tokens, new_request_id() if owned else request_id, tenant, load, skip_l3, peek,
-                            return_keys)
-        if not owned:
-            return MatchResult.from_pb(self._call(self.stub.Match, req, timeout_s, idempotent=match_idempotent(req)))
-        attempts = _Attempts(self.stub.Match)
+        call = core.match_call(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
         try:
-            return MatchResult.from_pb(self._call(attempts, req, timeout_s, idempotent=True))
+            return self._unary(call, timeout_s)
         except BaseException:
-            if attempts.may_have_opened:
-                self._abandon_later(req)
+            if call.abandon:
+                self._abandon_later(call.request)
             raise
 
     def match_stream(self) -> MatchStream:
@@ -215,11 +157,9 @@ class HiCacheClient:
     def prefetch(self, request_id: str, *, stream_progress: bool = False, progress_interval_ms: int = 0,
                  timeout_s: float | None = None) -> Iterator[PrefetchProgress]:
         """L3 -> L2 -> L1 for the request; yields progress (when asked) and a last ``done`` message."""
-        req = pb.PrefetchRequest(request_id=request_id, stream_progress=stream_progress,
-                                 progress_interval_ms=progress_interval_ms)
-        for m in self.stub.Prefetch(req, timeout=self.timeout_s if timeout_s is None else timeout_s,
-                                    metadata=self._md):
-            yield PrefetchProgress.from_pb(m)
+        req = core.prefetch_request(request_id, stream_progress, progress_interval_ms)
+        for m in self.stub.Prefetch(req, timeout=self._deadline(timeout_s), metadata=self._md):
+            yield core.prefetch_progress(m)
 
     def allocate(self, request_id: str, num_pages: int, timeout_s: float | None = None) -> np.ndarray:
         """``num_pages`` L1 pages (int64) owned by the open request, evicting unlocked pages if needed.
@@ -228,9 +168,7 @@ class HiCacheClient:
         INVALID_ARGUMENT: over the node's request limit;
         RESOURCE_EXHAUSTED: L1 cannot free that many (the rest is locked).
         """
-        r = self._call(self.stub.Allocate, pb.AllocateRequest(request_id=request_id, num_pages=num_pages), timeout_s,
-                       idempotent=False)
-        return np.asarray(r.device_indices, dtype=np.int64)
+        return self._unary(core.allocate_call(request_id, num_pages), timeout_s)
 
     def commit(self, request_id: str, tokens: Tokens, device_indices: Sequence[int] | np.ndarray,
                timeout_s: float | None = None) -> CommitResult:
@@ -241,66 +179,49 @@ class HiCacheClient:
         a page count that differs from the tokens'; FAILED_PRECONDITION: tokens that do not extend the
         match, or a page the request does not own; NOT_FOUND: unknown or released id.
         """
-        return CommitResult.from_pb(self._call(self.stub.Commit, commit_request(request_id, tokens, device_indices),
-                                               timeout_s, idempotent=False))
+        return self._unary(core.commit_call(request_id, tokens, device_indices), timeout_s)
 
     def release(self, request_id: str, timeout_s: float | None = None) -> None:
         """Close the request: unlock its prefix, free pages it still owns (NOT_FOUND: unknown or released).
 
         Retried like a read: a repeat that finds the request gone after an attempt whose reply was lost
         returns normally (that attempt released it)."""
-        maybe_taken = False  # an earlier attempt may have reached the server
-
-        def once(request: pb.ReleaseRequest, **kw: Any) -> pb.ReleaseResponse:
-            nonlocal maybe_taken
-            try:
-                return self.stub.Release(request, **kw)
-            except grpc.RpcError as e:
-                if maybe_taken and e.code() == grpc.StatusCode.NOT_FOUND:
-                    return pb.ReleaseResponse()
-                maybe_taken = maybe_taken or not never_sent(e)
-                raise
-
-        self._call(once, pb.ReleaseRequest(request_id=request_id), timeout_s, idempotent=True)
+        self._unary(core.release_call(request_id), timeout_s)
 
     def stats(self, timeout_s: float | None = None) -> Stats:
         """The node's pool occupancy, hit counters, L3 counters and pins (:class:`Stats`)."""
-        return Stats.from_pb(self._call(self.stub.Stats, pb.StatsRequest(), timeout_s, idempotent=True))
+        return self._unary(core.stats_call(), timeout_s)
 
     def flush(self, timeout_s: float | None = None) -> FlushResult:
         """Wait (up to the call's deadline) until the node's backups in flight and queued L3 writes are
         done; ``complete`` says everything reached the store."""
-        return FlushResult.from_pb(self._call(self.stub.Flush, pb.FlushRequest(), timeout_s, idempotent=True))
+        return self._unary(core.flush_call(), timeout_s)
 
     def clear(self, timeout_s: float | None = None) -> ClearResult:
         """Drop every L1 and L2 page on the node that no request holds and no pin keeps (L3 untouched)."""
-        return ClearResult.from_pb(self._call(self.stub.Clear, pb.ClearRequest(), timeout_s, idempotent=False))
+        return self._unary(core.clear_call(), timeout_s)
 
     def pin(self, tokens: Tokens, *, tenant: str = "", timeout_s: float | None = None) -> PinInfo:
         """Keep the cached prefix of ``tokens`` on its tiers on the node until :meth:`unpin` (pins what is
         cached now; NOT_FOUND when nothing is, RESOURCE_EXHAUSTED past the node's pinned-page bound)."""
-        req = pb.PinRequest(namespace=ns_ref(tenant), tokens=encode_tokens(tokens))
-        return PinInfo.from_pb(self._call(self.stub.Pin, req, timeout_s, idempotent=False))
+        return self._unary(core.pin_call(tokens, tenant), timeout_s)
 
     def unpin(self, pin_id: int, timeout_s: float | None = None) -> PinInfo:
         """End pin ``pin_id`` (NOT_FOUND when there is no such pin)."""
-        return PinInfo.from_pb(self._call(self.stub.Unpin, pb.UnpinRequest(pin_id=pin_id), timeout_s,
-                                          idempotent=False))
+        return self._unary(core.unpin_call(pin_id), timeout_s)
 
     def pins(self, timeout_s: float | None = None) -> list[PinInfo]:
         """The pins the node holds, oldest first."""
-        resp = self._call(self.stub.ListPins, pb.ListPinsRequest(), timeout_s, idempotent=True)
-        return [PinInfo.from_pb(p) for p in resp.pins]
+        return self._unary(core.pins_call(), timeout_s)
 
     def pool_info(self, timeout_s: float | None = None) -> PoolInfo:
         """The node's KV layout and L1 pool geometry (GetPoolInfo: no handle)."""
-        return PoolInfo.from_pb(self._call(self.stub.GetPoolInfo, pb.GetPoolInfoRequest(), timeout_s,
-                                           idempotent=True))
+        return self._unary(core.pool_info_call(), timeout_s)
 
     def attach_info(self, timeout_s: float | None = None) -> PoolInfo:
         """The Attach reply: layout plus the handle that maps the shared L1 pool (FAILED_PRECONDITION when
         the node does not share its pool); :meth:`attach` maps it."""
-        return PoolInfo.from_pb(self._call(self.stub.Attach, pb.AttachRequest(), timeout_s, idempotent=True))
+        return self._unary(core.attach_call(), timeout_s)
 
     def attach(self, timeout_s: float | None = None) -> AttachedPool:
         """Map the server's L1 pool into this process (same host)."""
@@ -320,21 +241,17 @@ class HiCacheClient:
     def read_pages(self, tokens: Tokens, *, tenant: str = "", max_pages: int = 0,
                    timeout_s: float | None = None) -> tuple[list[bytes], bytes]:
         """Page keys and canonical page-first bytes of the cached prefix of ``tokens`` (another host)."""
-        req = pb.ReadPagesRequest(namespace=ns_ref(tenant), tokens=encode_tokens(tokens), max_pages=max_pages)
-        keys: list[bytes] = []
-        parts: list[bytes] = []
-        for chunk in self.stub.ReadPages(req, timeout=self.timeout_s if timeout_s is None else timeout_s,
-                                         metadata=self._md):
-            keys.extend(chunk.page_keys)
-            parts.append(chunk.data)
-        return keys, b"".join(parts)
+        out = core.PagesRead()
+        for chunk in self.stub.ReadPages(core.read_pages_request(tokens, tenant, max_pages),
+                                         timeout=self._deadline(timeout_s), metadata=self._md):
+            out.add(chunk)
+        return out.result()
 
     def write_pages(self, tokens: Tokens, data: bytes | memoryview, *, first_page: int = 0, tenant: str = "",
                     chunk_bytes: int = 4 << 20, timeout_s: float | None = None) -> CommitResult:
         """Send page bytes (pages ``first_page..`` of ``tokens``, canonical order); the server commits them."""
-        msgs = write_pages_messages(tokens, data, first_page, tenant, chunk_bytes)
-        r = self.stub.WritePages(iter(msgs), timeout=self.timeout_s if timeout_s is None else timeout_s,
-                                 metadata=self._md)
+        msgs = core.write_pages_messages(tokens, data, first_page, tenant, chunk_bytes)
+        r = self.stub.WritePages(iter(msgs), timeout=self._deadline(timeout_s), metadata=self._md)
         return CommitResult.from_pb(r)
 
 
@@ -368,9 +285,8 @@ class MatchStream:
         raises :class:`CallError`. With no ``request_id`` (not a peek) the client makes one up, and
         releases it when the call fails before its reply (see :class:`MatchStream`).
         """
-        owned = not request_id and not peek
-        req = match_request(tokens, new_request_id() if owned else request_id, tenant, load, skip_l3, peek,
-                            return_keys)
+        call = core.match_call(tokens, request_id, tenant, load, skip_l3, peek, return_keys)
+        req, owned = call.request, call.owned
         if self._failure is not None:
             raise self._failure
         self._q.put(req)
@@ -397,7 +313,7 @@ class MatchStream:
             if owned:
                 self._client._abandon_later(req)
             raise
-        return MatchResult.from_pb(check_reply(m))
+        return core.stream_match_result(m)
 
     def close(self) -> None:
         """End the request side of the stream and wait for the server to end its side (at once when the

@@ -82,7 +82,7 @@ def test_flush_waits_for_the_store_while_serving(server_factory: Callable[..., S
             assert c.stats().storage_pages_written == total
             for bad in (-1.0, float("nan"), float("inf")):
                 with pytest.raises(grpc.RpcError) as ei:
-                    c._call(c.stub.Flush, pb.FlushRequest(timeout_s=bad), None)
+                    c.stub.Flush(pb.FlushRequest(timeout_s=bad), timeout=c.timeout_s)
                 assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in ei.value.details()
             assert c.match(prompts[0], peek=True).l1_pages == 16  # still serving, nothing lost
     finally:
