@@ -31,7 +31,7 @@ from typing import Any
 
 from hicache.config import ConfigError, blame_env
 from hicache.helptext import HelpFormatter
-from hicache.preflight import check_host, check_pem_file
+from hicache.preflight import check_host, check_pem_file, check_tls
 from hicache.router.config import INDEX_MODES, check_nodes, load_router_config, parse_node
 from hicache.router.scoring import policy_names
 
@@ -146,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
         check_host(rconfig.host, "router.host")
         if rconfig.metrics_port:
             check_host(rconfig.metrics_host, "router.metrics_host")
-        for name in ("tls_cert", "tls_key", "tls_client_ca", "node_tls_ca", "node_client_cert", "node_client_key"):
+        # the server's files load and match (a bad key is named here, not blamed on the port by the bind)
+        check_tls(rconfig.tls_cert, rconfig.tls_key, rconfig.tls_client_ca, "router")
+        for name in ("node_tls_ca", "node_client_cert", "node_client_key"):
             if getattr(rconfig, name):
                 check_pem_file(getattr(rconfig, name), f"router.{name}")
         # a bad tokens file: one line naming the entry (never a token), before anything starts

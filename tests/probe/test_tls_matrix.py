@@ -3,7 +3,9 @@ that require a client certificate of their CA, called by a plaintext client, a c
 one with no client certificate, one whose certificate another CA signed, one whose certificate expired, and
 one with the right certificate; and a node serving an expired certificate. Only the right certificate gets
 an answer (and still needs the bearer token); every other handshake fails (UNAVAILABLE) and leaves the node
-as it was. Bad certificate *files* at start are tests/test_tls_errors.py's."""
+as it was. Bad certificate files made here (a garbage key, the key of another certificate, a key given as the
+certificate, a client CA that is a key) stop ``hicache serve`` and ``hicache route`` in one line naming the
+field and the file, before anything binds (every kind of bad file, for serve: tests/test_tls_errors.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
+from hicache.cli import main
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
@@ -167,3 +171,32 @@ def test_an_expired_server_certificate_is_refused_by_the_client(
         assert node_call(ch) == C.UNAVAILABLE
     with channel(f"127.0.0.1:{node.port}", pki) as good:
         assert_whole(node, good, "expired server")
+
+
+# case -> (cert, key, client CA) of the pki fixture, and the field named
+BAD_FILES = {
+    "garbage-key": (("server", "garbage.key", ""), "tls_key"),
+    "key-of-another-cert": (("server", "stranger.key", ""), "tls_key"),
+    "key-as-cert": (("server.key", "server.key", ""), "tls_cert"),
+    "ca-is-a-key": (("server", "server.key", "client.key"), "tls_client_ca"),
+}
+
+
+@pytest.mark.parametrize("command", ["serve", "route"])
+def test_bad_certificate_files_stop_the_server_in_one_line(command: str, pki: dict[str, Path],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    garbage = pki["ca"].parent / "garbage.key"
+    garbage.write_text("-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5\n-----END PRIVATE KEY-----\n")
+    files = {**pki, "garbage.key": garbage}
+    section = "serve" if command == "serve" else "router"
+    for case, ((cert, key, ca), field) in BAD_FILES.items():
+        conf = garbage.parent / f"{command}-{case}.yaml"
+        conf.write_text(yaml.safe_dump({section: {"port": 0, "metrics_port": 0, "tls_cert": str(files[cert]),
+                                                  "tls_key": str(files[key]),
+                                                  "tls_client_ca": str(files[ca]) if ca else ""}}))
+        args = ["--config", str(conf)] + (["--node", "n0=127.0.0.1:1"] if command == "route" else [])
+        assert main([command, *args]) == 2, case
+        err = capsys.readouterr().err.strip()
+        named = {"tls_cert": cert, "tls_key": key, "tls_client_ca": ca}[field]
+        assert err.startswith(f"hicache {command}: ") and f"{section}.{field}: {files[named]}: " in err, (case, err)
+        assert "\n" not in err and "bind" not in err, (case, err)
