@@ -254,3 +254,20 @@ def test_router_auth_matrix(servers: tuple[NodeServer, RouterServer]) -> None:
             assert len(nodes(who).nodes) == 2
         d = route("ops", BETA)  # admin: every tenant
         assert complete(d.route_id, "ops").known and len(router.router.inflight) == 0
+
+
+def test_write_pages_for_another_tenant_is_refused_at_its_header(servers: tuple[NodeServer, RouterServer]) -> None:
+    """The tenant is checked when the header arrives: data past the pages' size (or none yet) is never read for
+    a token that may not write there (INVALID_ARGUMENT for the size would mean the data was read first)."""
+    node, _ = servers
+    with grpc.insecure_channel(f"127.0.0.1:{node.port}") as ch:
+        stub = pb_grpc.HiCacheStub(ch)
+        head = pb.WritePagesChunk(header=pb.WritePagesHeader(namespace=ACME, tokens=T_ACME))
+        too_much = pb.WritePagesChunk(data=bytes(64 << 10))
+
+        def send(who: str) -> pb.CommitResponse:
+            return stub.WritePages(iter([head, too_much]), metadata=MD[who], timeout=5)
+
+        assert code_of(send, "beta")[0] == C.PERMISSION_DENIED
+        assert code_of(send, "acme")[0] == C.INVALID_ARGUMENT  # acme's own: past the pages' size
+        assert_whole(node, ch, "write pages header")
