@@ -788,7 +788,9 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
                     raise invalid("write pages: the first message must carry the header")
                 header = msg.header
                 # the tenant first: a token refused for it gets PERMISSION_DENIED before its data is read
-                ns = self._ns(header.namespace, self._who(context))
+                tenant = header.namespace.tenant or self.cache.ns.tenant
+                if not self._who(context).may_act_for(tenant):
+                    raise denied(f"namespace.tenant {shown(tenant)}: this token may not act for that tenant")
                 tb = token_bytes(header.tokens, header.token_ids, self.max_tokens)
                 n = len(tb) // (self.page_size * 4)
                 if header.first_page >= n:
@@ -804,6 +806,7 @@ class HiCacheServicer(pb_grpc.HiCacheServicer):
             raise invalid("write pages: empty stream")
         if len(buf) != limit:
             raise invalid(f"data: {len(buf)} bytes, pages {header.first_page}.. need {limit}")
+        ns = self._ns(header.namespace, self._who(context))
         return await blocking(self._write_pages, tb, ns, header.first_page, bytes(buf))
 
     def _write_pages(self, tb: bytes, ns: Any, first: int, data: bytes) -> pb.CommitResponse:
