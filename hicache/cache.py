@@ -410,9 +410,26 @@ class HiCache:
         """How much of ``tokens`` is cached now, per tier, without opening a request: :meth:`match` and
         :meth:`release` at once (a router's or scheduler's query). Nothing is served, so none of it is
         counted as a lookup or a hit (nor on L2 or L3): it counts in ``hicache_peeks_total`` only. The
-        returned request is released (its hit lengths and keys are for reading)."""
-        req = self.match(tokens, ns, l3=l3, keys=keys, count=False)
-        self.release(req)
+        returned request is released (its hit lengths and keys are for reading).
+
+        Nor is it an access: recency, hit counts and the eviction policy's view of the request stream are
+        left as they were (a router asking many times must not make a prefix look hot), and nothing is
+        locked or pinned (the walk and the reading happen under one hold of the tree lock)."""
+        ns = ns or self.ns
+        self._check_ns(ns)
+        tb = tokens_to_bytes(tokens)
+        tb = tb[: len(tb) - len(tb) % (self.page_size * 4)]
+        need_keys = keys or (l3 and self.storage is not None)
+        pkeys = page_keys_from_bytes(ns.digest, tb, self.page_size) if need_keys else []
+        with self._lock:
+            self._reap()
+            m = self.tree.match(ns.digest, tb, touch=False)
+        req = Request(ns, tb, pkeys, m.l1_pages, m.l2_pages, 0, m.device_indices, released=True)
+        done = req.l1_pages + req.l2_pages
+        if l3 and self.storage is not None and done < len(pkeys):
+            t_ex = time.perf_counter()
+            req.l3_pages = self.storage.batch_exists(pkeys[done:])
+            self.metrics.storage_op["exists"].observe(time.perf_counter() - t_ex)
         self.metrics.peeks.inc()
         return req
 

@@ -43,6 +43,10 @@ def _guarded(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 class DecodeGuard(grpc.aio.ServerInterceptor):
     """Wraps the request deserializer of every ``hicache.v1`` method (see the module docstring)."""
 
+    def __init__(self) -> None:
+        # method -> (the handler the server looked up, its guarded copy): built once per method, not per call
+        self._guarded: dict[str, tuple[Any, grpc.RpcMethodHandler]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -52,6 +56,15 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
         if (handler is None or not details.method.startswith(SERVICE_PREFIX)
                 or getattr(handler, "request_deserializer", None) is None or not hasattr(handler, "_replace")):
             return handler
+        seen = self._guarded.get(details.method)
+        if seen is not None and seen[0] is handler:
+            return seen[1]
+        guarded = self._guard(handler)
+        self._guarded[details.method] = (handler, guarded)
+        return guarded
+
+    @staticmethod
+    def _guard(handler: Any) -> grpc.RpcMethodHandler:
         handler = handler._replace(request_deserializer=_guarded(handler.request_deserializer))
         if handler.unary_unary is not None:
             handler = handler._replace(unary_unary=_refuse_unary(handler.unary_unary))
