@@ -198,7 +198,7 @@ build() {  # $1: Dockerfile  $2: image  $3..: more build arguments
   "${cmd[@]}" >&2
   t1=$(date +%s)
   size=$("${eng[@]}" image inspect --format '{{.Size}}' "$image")
-  awk -v i="$image" -v t=$((t1 - t0)) -v s="$size" 'BEGIN { printf "built %s: %d s, %d bytes (%.2f GB)\n", i, t, s, s / 1e9 }'
+  awk -v i="$image" -v t=$((t1 - t0)) -v s="$size" 'BEGIN { printf "built %s: %d s, %s bytes (%.2f GB)\n", i, t, s, s / 1e9 }'
 }
 run_in() {  # $1: image  $2..: python code and arguments
   local image=$1
