@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from hicache.registry import Registry
+
 MIN_SAVING = 1 / 32  # store compressed only when it saves at least this share of the page
 LEVELS = (-7, 22)  # the compression levels accepted (0: the codec's default)
 SHUFFLE_SIZES = (1, 2, 4, 8)  # element sizes the byte shuffle knows (1: no shuffle)
@@ -53,7 +55,7 @@ class PageCodec:
         dst[:] = stored
 
 
-_CODECS: dict[str, type[PageCodec]] = {}
+CODECS: Registry[type[PageCodec]] = Registry("storage.compression", "codec")
 _BY_ID: dict[int, type[PageCodec]] = {}
 
 
@@ -67,7 +69,7 @@ def register_codec(name: str, codec_id: int) -> Callable[[type[PageCodec]], type
         if _BY_ID.get(codec_id, cls) is not cls:
             raise ValueError(f"codec id {codec_id} is taken by {_BY_ID[codec_id].name!r}")
         cls.name, cls.codec_id = name, codec_id
-        _CODECS[name] = cls
+        CODECS.add(name, cls)
         _BY_ID[codec_id] = cls
         return cls
 
@@ -78,7 +80,7 @@ register_codec("none", 0)(PageCodec)
 
 
 def codec_names() -> list[str]:
-    return sorted(_CODECS)
+    return CODECS.names()
 
 
 def codec_ids() -> list[int]:
@@ -88,9 +90,7 @@ def codec_ids() -> list[int]:
 
 def make_codec(name: str, level: int = 0) -> PageCodec:
     """The codec ``name`` at ``level`` (0: the codec's default); ``ValueError`` names the known ones."""
-    cls = _CODECS.get(name)
-    if cls is None:
-        raise ValueError(f"storage.compression: unknown codec {name!r}; known: {codec_names()}")
+    cls = CODECS.get(name)
     return cls(level)
 
 

@@ -319,7 +319,7 @@ def test_named_choices_are_the_codes() -> None:
     from hicache.eviction import policy_names
     from hicache.layout import HOST_LAYOUTS
     from hicache.router.scoring import policy_names as route_policies
-    from hicache.storage.base import _BACKENDS, _LAZY
+    from hicache.storage.base import BACKENDS
 
     plain = lambda ws: {w for w in ws if re.fullmatch(r"[a-z][a-z0-9_]*", w)}  # noqa: E731
     writes = {r[0].strip("`").split("`")[0] for r in table_rows(section(TUNING, "Write policies"))}
@@ -336,7 +336,7 @@ def test_named_choices_are_the_codes() -> None:
     assert set(hconfig.PREFETCH_POLICIES) == {"best_effort", "wait_complete", "timeout"}
     routing = paragraph(section(README, "Routing: `hicache route`"), "The router keeps")
     assert plain(ticked(routing.split("Policies:")[1])) == set(route_policies())
-    schemes = set(_BACKENDS) | set(_LAZY)
+    schemes = set(BACKENDS.names())
     urls = re.findall(r"`([a-z0-9+]+)://", section(DOCS["storage.md"], "L3 stores"))
     assert urls
     for url in urls:

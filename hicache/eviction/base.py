@@ -6,6 +6,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from hicache.registry import Registry
+
 if TYPE_CHECKING:
     from hicache.radix import RadixTree, TreeNode
 
@@ -50,24 +52,14 @@ class _KeyPolicy(EvictionPolicy):
         self.key = fn  # type: ignore[method-assign,assignment]  # the bare function: no call in between
 
 
-_POLICIES: dict[str, EvictionKey] = {}
-_STATEFUL: dict[str, type[EvictionPolicy]] = {}
+# a key function, or an EvictionPolicy subclass (one instance per tree)
+POLICIES: Registry[Any] = Registry("eviction_policy", "policy")
 
 
 def register_policy(name: str) -> Callable[[Any], Any]:
     """Decorator: make a key function or an :class:`EvictionPolicy` subclass selectable as
     ``eviction_policy: <name>``."""
-
-    def deco(obj: Any) -> Any:
-        if isinstance(obj, type) and issubclass(obj, EvictionPolicy):
-            _STATEFUL[name] = obj
-            _POLICIES.pop(name, None)
-        else:
-            _POLICIES[name] = obj
-            _STATEFUL.pop(name, None)
-        return obj
-
-    return deco
+    return POLICIES.register(name)
 
 
 def get_policy(name: str) -> EvictionKey:
@@ -77,17 +69,14 @@ def get_policy(name: str) -> EvictionKey:
 
 def make_policy(name: str) -> EvictionPolicy:
     """A policy instance for one tree."""
-    cls = _STATEFUL.get(name)
-    if cls is not None:
-        return cls()
-    fn = _POLICIES.get(name)
-    if fn is None:
-        raise ValueError(f"eviction_policy: unknown policy {name!r}; known: {policy_names()}")
-    return _KeyPolicy(fn)
+    entry = POLICIES.get(name)
+    if isinstance(entry, type) and issubclass(entry, EvictionPolicy):
+        return entry()
+    return _KeyPolicy(entry)
 
 
 def policy_names() -> list[str]:
-    return sorted(set(_POLICIES) | set(_STATEFUL))
+    return POLICIES.names()
 
 
 def peak_pages(tree: RadixTree, peak: int) -> int:

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from hicache.registry import Registry
+
 EPS = 1e-9
 
 
@@ -105,29 +107,24 @@ class RoutingPolicy(ABC):
     def choose(self, candidates: Sequence[Candidate], num_pages: int) -> Decision: ...
 
 
-_POLICIES: dict[str, type[RoutingPolicy]] = {}
+POLICIES: Registry[type[RoutingPolicy]] = Registry("routing policy", unique=True)
 
 
 def register_policy(name: str) -> Callable[[type[RoutingPolicy]], type[RoutingPolicy]]:
     def deco(cls: type[RoutingPolicy]) -> type[RoutingPolicy]:
-        if name in _POLICIES:
-            raise ValueError(f"routing policy {name!r} registered twice")
+        POLICIES.add(name, cls)
         cls.name = name
-        _POLICIES[name] = cls
         return cls
 
     return deco
 
 
 def policy_names() -> list[str]:
-    return sorted(_POLICIES)
+    return POLICIES.names()
 
 
 def create_policy(name: str, params: ScoringParams | None = None) -> RoutingPolicy:
-    cls = _POLICIES.get(name)
-    if cls is None:
-        raise ValueError(f"routing policy: unknown {name!r}; known: {policy_names()}")
-    return cls(params or ScoringParams())
+    return POLICIES.get(name)(params or ScoringParams())
 
 
 @register_policy("cache_aware")

@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 from hicache.layout import KVLayout
 from hicache.page_codec import PageCodec, make_codec
 from hicache.pool import HostPool
+from hicache.registry import Registry
 from hicache.storage.frame import PageBuf, pack_page
 from hicache.storage.pageio import PageBuffers
 
@@ -152,9 +153,8 @@ class StorageBackend(abc.ABC):
 
 
 BackendFactory = Callable[..., StorageBackend]
-_BACKENDS: dict[str, BackendFactory] = {}
 # Modules imported on first use of a scheme, so optional dependencies load only when needed.
-_LAZY: dict[str, str] = {
+BACKENDS: Registry[BackendFactory] = Registry("storage.url", "scheme", lazy={
     "redis": "hicache.storage.redis_backend",
     "rediss": "hicache.storage.redis_backend",
     "redis+sentinel": "hicache.storage.redis_backend",
@@ -165,28 +165,17 @@ _LAZY: dict[str, str] = {
     "s3": "hicache.storage.file_backend",
     "hdfs": "hicache.storage.file_backend",
     "gs": "hicache.storage.file_backend",
-}
+})
 
 
 def register_backend(*schemes: str) -> Callable[[Any], Any]:
-    def deco(cls: Any) -> Any:
-        for s in schemes:
-            _BACKENDS[s] = cls
-        return cls
-
-    return deco
+    return BACKENDS.register(*schemes)
 
 
 def create_backend(url: str, ctx: StorageContext, **options: Any) -> StorageBackend:
     """Create the backend registered for ``url``'s scheme; ``ValueError`` names unknown schemes."""
     scheme = urlparse(url).scheme or "file"
-    if scheme not in _BACKENDS and scheme in _LAZY:
-        import importlib
-
-        importlib.import_module(_LAZY[scheme])
-    try:
-        factory = _BACKENDS[scheme]
-    except KeyError:
-        known = sorted(set(_BACKENDS) | set(_LAZY))
-        raise ValueError(f"storage.url: unknown scheme {scheme!r} in {safe_url(url)!r}; known: {known}") from None
+    factory = BACKENDS.find(scheme)
+    if factory is None:
+        raise ValueError(f"storage.url: unknown scheme {scheme!r} in {safe_url(url)!r}; known: {BACKENDS.names()}")
     return factory(url, ctx, **options)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from hicache.pool import DevicePool, HostPool
+from hicache.registry import Registry
 
 
 class TransferHandle(abc.ABC):
@@ -100,28 +101,19 @@ def sorted_unique(a: np.ndarray) -> np.ndarray:
     return s
 
 
-_ENGINES: dict[str, Callable[..., TransferEngine]] = {}
+ENGINES: Registry[Callable[..., TransferEngine]] = Registry("transfer engine", lazy={"cuda": "hicache.transfer.cuda"})
 
 
 def register_engine(name: str) -> Callable[[Any], Any]:
-    def deco(cls: Any) -> Any:
-        _ENGINES[name] = cls
-        return cls
-
-    return deco
+    return ENGINES.register(name)
 
 
 def create_engine(name: str, device_pool: DevicePool, host_pool: HostPool, **kwargs: Any) -> TransferEngine:
     """``name``: a registered engine, or ``auto`` (CUDA when the device pool is on a GPU, else CPU)."""
     if name == "auto":
         name = "cuda" if device_pool.device.type == "cuda" else "cpu"
-    if name == "cuda" and "cuda" not in _ENGINES:
-        try:
-            import hicache.transfer.cuda  # noqa: F401  (registers itself)
-        except ImportError as e:
-            raise ValueError(f"transfer engine 'cuda' unavailable: {e}") from e
     try:
-        factory = _ENGINES[name]
-    except KeyError:
-        raise ValueError(f"transfer engine: unknown {name!r}; known: {sorted(_ENGINES)} or 'auto'") from None
+        factory = ENGINES.get(name, known_extra=" or 'auto'")
+    except ImportError as e:
+        raise ValueError(f"transfer engine {name!r} unavailable: {e}") from e
     return factory(device_pool, host_pool, **kwargs)

@@ -89,7 +89,7 @@ def test_least_load_and_round_robin() -> None:
 def test_policy_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     # a registry of its own: the policy registered below must not outlive this test (the Helm values
     # schema lists the registered policies)
-    monkeypatch.setattr(scoring, "_POLICIES", dict(scoring._POLICIES))
+    monkeypatch.setattr(scoring.POLICIES, "_entries", dict(scoring.POLICIES._entries))
     assert {"cache_aware", "round_robin", "least_load"} <= set(policy_names())
     with pytest.raises(ValueError, match="unknown 'nope'"):
         create_policy("nope")
