@@ -44,10 +44,11 @@ import gc
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,9 @@ import torch
 from hicache import HiCache
 from hicache.config import config_from_dict
 from hicache.engine import CachePort, Decoder, GenRequest, GenResult, NoCachePort, ServingNode, preset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _ttft_probe, however this is loaded
+from _ttft_probe import TracedPort, link_seconds, read_seconds
 
 Rounds = Generator[tuple[list[GenRequest], bool], list[GenResult], None]  # yields (requests, measured)
 MODES = ("nocache", "l1", "l1l2", "l1l2l3", "l1l2redis")
@@ -300,35 +304,107 @@ def warm_up(env: Env) -> None:
 
 
 def ttft_long_prefix(env: Env, z: Sizes) -> dict[str, Any]:
-    """First token for a request whose ``long_prefix``-token prefix is recomputed vs loaded from L2
-    (the prefix sits on L2 only: it was served once, then evicted from L1)."""
+    """First token for a request whose ``long_prefix``-token prefix is recomputed, on L1 (the suffix's
+    compute alone), loaded from L2 (served once, then evicted from L1), or from L3 (a file store: evicted
+    from L1 and L2), each beside its in-run physical bound (:mod:`_ttft_probe`): an L2 hit against the
+    prefix's bytes at the link's speed plus the L1 hit's time, an L3 hit against the prefix's bytes at the
+    store's raw read rate plus the L1 hit's time. Each hit also gets the timeline of its last repetition."""
     vocab = env.model.shape.vocab_size
+    layout = env.model.shape.kv_layout(env.page_size, env.dtype)
     rng = np.random.default_rng(99)
     prefix = _toks(rng, vocab, z.long_prefix)
     need = z.long_prefix + 4 * env.page_size + 128
     out: dict[str, Any] = {"prefix_tokens": z.long_prefix}
-    for mode in ("nocache", "l1l2"):
-        port, engine = make_port(env, mode, need * 2, need * 2)
-        node = ServingNode(env.model, port, max_batch=1)
-        node.generate([GenRequest(prefix + _toks(rng, vocab, 64), 1)])  # computes (and caches) the prefix
-        if isinstance(port, HiCache):  # one unmeasured L2 hit: first use of this shape on the load path
-            port.evict(l1_pages=10**9)
+    l3_dir = tempfile.TemporaryDirectory(prefix="hicache-ttft-l3-")
+    modes = ["nocache", "l1l2"] + (["l1l2l3"] if env.l3_url.startswith("file://") else [])
+    for mode in modes:
+        menv = replace(env, l3_url=f"file://{l3_dir.name}") if mode == "l1l2l3" else env
+        port, engine = make_port(menv, mode, need * 2, need * 2)
+        cache = port if isinstance(port, HiCache) else None
+        traced = TracedPort(port)
+        node = ServingNode(env.model, traced if cache is not None else port, max_batch=1)
+        tier = {"l1l2": "l2", "l1l2l3": "l3"}.get(mode, "")
+
+        def ask(node: ServingNode = node) -> GenResult:
+            return node.generate([GenRequest(prefix + _toks(rng, vocab, 64), 1)])[0]
+
+        def drop(cache: HiCache | None = cache, tier: str = tier) -> None:  # off L1 (and L2 for an L3 hit)
+            if cache is not None:
+                drain(cache)
+                cache.evict(l1_pages=10**9, l2_pages=10**9 if tier == "l3" else 0)
             sync()
-        node.generate([GenRequest(prefix + _toks(rng, vocab, 64), 1)])
-        times = []
+
+        ask()  # computes (and caches) the prefix
+        drop()
+        ask()  # one unmeasured hit: first use of this shape on the load path
+        times, r = [], None
         for _ in range(z.reps):
-            if isinstance(port, HiCache):
-                port.evict(l1_pages=10**9)  # prefix now on L2 only
-            sync()
-            r = node.generate([GenRequest(prefix + _toks(rng, vocab, 64), 1)])[0]
-            if mode == "l1l2":
-                assert r.hit_tokens["l2"] >= z.long_prefix - env.page_size, r.hit_tokens
+            drop()
+            traced.reset()
+            r = ask()
+            if tier:
+                assert r.hit_tokens[tier] >= z.long_prefix - env.page_size, r.hit_tokens
             times.append(r.ttft_s)
-        out[mode] = {"ttft_ms": [1e3 * t for t in times], "ttft_median_ms": 1e3 * statistics.median(times),
-                     "engine": engine}
+        assert r is not None
+        row: dict[str, Any] = {"ttft_ms": [1e3 * t for t in times], "ttft_median_ms": 1e3 * statistics.median(times),
+                               "engine": engine}
+        if tier:
+            row["hit_pages"] = pages = r.hit_tokens[tier] // env.page_size
+            row["hit_bytes"] = pages * layout.bytes_per_page
+            row["timeline"] = traced.timeline.summary(r.t_first)
+        if mode == "l1l2":  # the prefix is on L1 now: the suffix's compute alone
+            l1 = []
+            for _ in range(z.reps):
+                traced.reset()
+                h = ask()
+                assert h.hit_tokens["l1"] >= z.long_prefix - env.page_size, h.hit_tokens
+                l1.append(h.ttft_s)
+            out["l1_hit"] = {"ttft_ms": [1e3 * t for t in l1], "ttft_median_ms": 1e3 * statistics.median(l1)}
+            row["link_s"] = link = link_seconds(row["hit_bytes"], env.device)
+            row["link_gb_s"] = row["hit_bytes"] / link / 1e9 if link else 0.0
+        if mode == "l1l2l3":
+            read_s, nbytes, files = read_seconds(l3_dir.name)
+            row["read_s"], row["read_files"] = read_s, files
+            row["read_gb_s"] = nbytes / read_s / 1e9 if read_s else 0.0
+            row["store_read_s"] = read_s * row["hit_bytes"] / max(nbytes, 1)  # the prefix's share of the files
+        out[mode] = row
         close_port(port)
+    l3_dir.cleanup()
+    suffix_ms = out["l1_hit"]["ttft_median_ms"]
     out["speedup"] = out["nocache"]["ttft_median_ms"] / out["l1l2"]["ttft_median_ms"]
+    for mode, key in (("l1l2", "link_s"), ("l1l2l3", "store_read_s")):
+        if mode in out:
+            m = out[mode]
+            m["bound_ms"] = 1e3 * m[key] + suffix_ms
+            m["of_bound"] = m["ttft_median_ms"] / m["bound_ms"] if m["bound_ms"] else 0.0
     return out
+
+
+def ttft_lines(tl: dict[str, Any], reps: int) -> list[str]:
+    """The ttft16k figures as printed: each hit beside its bound, then where its time went."""
+    suffix = tl["l1_hit"]["ttft_median_ms"]
+    lines = [f"TTFT, {tl['prefix_tokens']}-token prefix + 64-token question (median of {reps}): recompute "
+             f"{tl['nocache']['ttft_median_ms']:.1f} ms, prefix on L1 (suffix compute) {suffix:.1f} ms"]
+    l2 = tl["l1l2"]
+    lines.append(f"  L2 hit {l2['ttft_median_ms']:.1f} ms ({tl['speedup']:.1f}x sooner than recompute; engine "
+                 f"{l2['engine']}); bound {l2['bound_ms']:.1f} ms = {l2['hit_bytes'] / 1e9:.2f} GB at the link's "
+                 f"{l2['link_gb_s']:.1f} GB/s ({1e3 * l2['link_s']:.1f} ms) + {suffix:.1f} ms -> "
+                 f"{l2['of_bound']:.2f}x the bound")
+    if "l1l2l3" in tl:
+        l3 = tl["l1l2l3"]
+        lines.append(f"  L3 hit {l3['ttft_median_ms']:.1f} ms (file store); bound {l3['bound_ms']:.1f} ms = "
+                     f"{l3['hit_bytes'] / 1e9:.2f} GB at the store's raw read rate {l3['read_gb_s']:.1f} GB/s "
+                     f"({1e3 * l3['store_read_s']:.1f} ms) + {suffix:.1f} ms -> {l3['of_bound']:.2f}x the bound")
+    for mode in ("l1l2", "l1l2l3"):
+        if mode not in tl:
+            continue
+        t = tl[mode]["timeline"]
+        steps = ", ".join(f"{s['step']} {s['ms']:.2f} ms @{s['start_ms']:.1f}" for s in t["steps"]
+                          if s["step"] != "commit")
+        lines.append(f"  timeline {mode}: {steps}; layer waits on the host {t['layer_wait_host_ms_total']:.1f} ms, "
+                     f"GPU stalled {t['gpu_stall_ms_total']:.1f} ms over {t['layers']} layers, last layer ready "
+                     f"@{t['host_last_layer_ready_ms']:.1f} ms (host), first token @{t['first_token_ms']:.1f} ms")
+    return lines
 
 
 def check_exactness(env: Env) -> dict[str, float]:
@@ -439,9 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "ttft16k" in workloads:
         try:
             result["ttft_long_prefix"] = tl = ttft_long_prefix(env, z)
-            print(f"  ttft {z.long_prefix}-token prefix: recompute {tl['nocache']['ttft_median_ms']:.1f} ms, "
-                  f"L2 hit {tl['l1l2']['ttft_median_ms']:.1f} ms ({tl['l1l2']['engine']}): {tl['speedup']:.1f}x",
-                  flush=True)
+            print("\n".join(ttft_lines(tl, z.reps)), flush=True)
         except Exception as e:
             errors.append(f"ttft16k: {type(e).__name__}: {e}")
             print(f"  ttft16k: FAILED {type(e).__name__}: {e}", flush=True)
@@ -489,9 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(rows, base))
     if "ttft_long_prefix" in result:
         tl = result["ttft_long_prefix"]
-        print(f"\nTTFT, {z.long_prefix}-token prefix + 64-token question: recompute "
-              f"{tl['nocache']['ttft_median_ms']:.1f} ms vs L2 hit {tl['l1l2']['ttft_median_ms']:.1f} ms "
-              f"-> {tl['speedup']:.1f}x sooner (median of {z.reps}; transfer engine {tl['l1l2']['engine']})")
+        print()
+        print("\n".join(ttft_lines(tl, z.reps)))
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
