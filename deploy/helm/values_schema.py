@@ -153,7 +153,8 @@ def router_config_schema() -> Schema:
         "shutdown_grace_s": number(positive=True),
         "kv_events": ENDPOINTS, "kv_events_replay": ENDPOINTS, "kv_events_topic": string(),
         "engine_metrics_path": {"type": "string", "pattern": "^(/.*)?$"}},
-        description="host, port, metrics_port, nodes, tokens and TLS paths are set by the chart")
+        description="host, port, metrics_port and metrics_host, nodes, tokens, the tokens file and TLS paths are set "
+                    "by the chart")
 
 
 def values_schema() -> Schema:

@@ -6,6 +6,7 @@ refused at render time."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ kv = pytest.importorskip("kubernetes_validate")
 from helm_render import RELEASE, Rendered, container, container_env, pod_spec, render  # noqa: E402
 
 from hicache.config import HiCacheConfig, config_from_dict, env_overrides, merge  # noqa: E402
+from hicache.router.config import RouterConfig, load_router_config  # noqa: E402
 
 TLS = {"enabled": True, "secretName": "hicache-tls"}
 SM = {"enabled": True, "labels": {"release": "prometheus"}}
@@ -102,6 +104,33 @@ def test_metrics_tls_serves_the_nodes_over_https_and_the_servicemonitor_trusts_t
     r2 = render({"tls": TLS, "metrics": {"tls": True, "serviceMonitor": {**SM, "tlsConfig": custom}}})
     (sm2,) = r2.kinds("ServiceMonitor")
     assert {e["port"]: e for e in sm2["spec"]["endpoints"]}["https-metrics"]["tlsConfig"] == custom
+
+
+
+def router_config(r: Rendered, tmp: Path) -> RouterConfig:
+    """The router's config as it starts: router.yaml from the ConfigMap, then its environment."""
+    (cm,) = [d for d in r.kinds("ConfigMap") if "router.yaml" in d.get("data", {})]
+    path = tmp / "router.yaml"
+    path.write_text(cm["data"]["router.yaml"])
+    env = container_env(r, container(r.component("router"), "router"), {("tenant-tokens", "tokens.yaml"): "unused"})
+    return load_router_config(path, env=env)[1]
+
+
+def test_the_router_gets_the_tokens_file_the_metrics_token_and_binds_metrics_for_prometheus(tmp_path: Path) -> None:
+    token = "r0uter-m3trics-7"
+    r = render({"auth": {"enabled": True, "tokensFileSecret": "tenant-tokens", "tokensFileKey": "tokens.yaml"},
+                "metrics": {"auth": {"enabled": True, "token": token}}, "router": {"enabled": True}})
+    validate(r)
+    cfg = router_config(r, tmp_path)
+    assert cfg.auth_tokens_file == "/etc/hicache/auth/tokens.yaml" and cfg.metrics_token == token
+    assert cfg.metrics_host == "0.0.0.0"
+    spec = pod_spec(r.component("router"))
+    (vol,) = [v for v in spec["volumes"] if v["name"] == "auth-tokens"]
+    assert vol["secret"]["secretName"] == "tenant-tokens"
+    mounts = {m["name"]: m for m in container(r.component("router"), "router")["volumeMounts"]}
+    assert mounts["auth-tokens"]["mountPath"] == "/etc/hicache/auth" and mounts["auth-tokens"]["readOnly"]
+    plain = router_config(render({"router": {"enabled": True}, "metrics": {"enabled": False}}), tmp_path)
+    assert (plain.auth_tokens_file, plain.metrics_token, plain.metrics_host) == ("", "", "127.0.0.1")
 
 
 @pytest.mark.parametrize(("values", "message"), [

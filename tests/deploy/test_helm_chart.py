@@ -528,7 +528,8 @@ def test_router_values_match_router_defaults() -> None:
     for k, v in values.items():
         assert defaults[k] == v, f"router.config.{k}"
     owned = {"host", "port", "metrics_port", "nodes", "node_token", "auth_token", "node_tls_ca", "node_client_cert",
-             "node_client_key", "tls_cert", "tls_key", "tls_client_ca"}
+             "node_client_key", "tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file", "metrics_host",
+             "metrics_token"}
     schema = json.loads((CHART / "values.schema.json").read_text())
     props = schema["properties"]["router"]["properties"]["config"]["properties"]
     want = set(defaults) - owned

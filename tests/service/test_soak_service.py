@@ -328,7 +328,7 @@ def test_concurrent_clients_never_see_wrong_kv(server_factory: Callable[..., Ser
                    f"{from_l3} from L3 after Clear")
         print(summary)
         assert t.lookups >= 100, summary
-        assert t.verified_l1 >= 200 and t.verified_l2 >= 100 and t.verified_l3 >= 50, summary
+        assert t.verified_l1 >= 200 and t.verified_l2 >= 50 and t.verified_l3 >= 50, summary  # every tier served
         assert t.verified_read >= 5 and read_back >= 30 and from_l3 >= 10, summary
         assert c.stats().open_requests == 0
     # No handler failed (a bug is logged as "ERROR hicache.service: <RPC> failed" and answered INTERNAL).

@@ -78,6 +78,13 @@ args:
 {{- $_ := set $r "host" "0.0.0.0" }}
 {{- $_ := set $r "port" (int .Values.router.port) }}
 {{- $_ := set $r "metrics_port" (ternary (int .Values.router.metrics.port) 0 .Values.metrics.enabled) }}
+{{- if .Values.metrics.enabled }}
+{{- /* Prometheus scrapes the pod's address, not the router's loopback default */}}
+{{- $_ := set $r "metrics_host" "0.0.0.0" }}
+{{- end }}
+{{- if .Values.auth.tokensFileSecret }}
+{{- $_ := set $r "auth_tokens_file" "/etc/hicache/auth/tokens.yaml" }}
+{{- end }}
 {{- if .Values.engines }}
 {{- $events := $r.kv_events | default dict }}
 {{- $replay := $r.kv_events_replay | default dict }}
