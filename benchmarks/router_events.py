@@ -30,7 +30,7 @@ from hicache.config import config_from_dict
 from hicache.keys import page_keys
 from hicache.router import Router
 from hicache.router.config import NodeSpec, RouterConfig
-from hicache.router.engine_events import decode_batch
+from hicache.router.kv_events import decode_batch
 
 
 def new_router(page_size: int) -> Router:

@@ -6,11 +6,11 @@ time. For each piece size, the host pages of a 256 MiB transfer of 32 layers com
 after churn (``transfer_bandwidth.allocated_pages``: random or LRU frees), or are scattered at random
 over the pool, and three plans are made of them, as the CUDA engine makes them:
 
-* ``page_first``: :func:`~hicache.transfer.staged.plan_group` on a page-first pool (layer-wise loads in
-  groups of :func:`~hicache.transfer.staged.group_layers` layers, backups of whole pages), the baseline;
-* ``lc_major``: :func:`~hicache.transfer.staged.plan_group_lc` on a block-first pool (loads one layer at
+* ``page_first``: :func:`~hicache.transfer.staged_plan.plan_group` on a page-first pool (layer-wise loads in
+  groups of :func:`~hicache.transfer.staged_plan.group_layers` layers, backups of whole pages), the baseline;
+* ``lc_major``: :func:`~hicache.transfer.staged_plan.plan_group_lc` on a block-first pool (loads one layer at
   a time, planned once and shifted; backups of whole pages);
-* ``mirror``: :func:`~hicache.transfer.staged_blocks.plan_group_blocks` on a block-first pool.
+* ``mirror``: :func:`~hicache.transfer.staged_plan_blocks.plan_group_blocks` on a block-first pool.
 
 Each row prints the copies, the chunks and the planning time of a layer-wise load and of a backup, and
 the ratios of copies and time to the page-first plan of the same pages.
@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from hicache.transfer.staged import StagedChunk, group_layers, plan_group, plan_group_lc, shift_layers
-from hicache.transfer.staged_blocks import plan_group_blocks
+from hicache.transfer.staged_plan import StagedChunk, group_layers, plan_group, plan_group_lc, shift_layers
+from hicache.transfer.staged_plan_blocks import plan_group_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transfer_bandwidth import allocated_pages

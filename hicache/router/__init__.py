@@ -7,9 +7,9 @@
 * :mod:`.load` / :mod:`.breaker` -- in-flight counts that expire, reported queue depth, and a circuit
   breaker per node that counts only transport failures;
 * :mod:`.config` -- the ``router`` section of the config file (nodes, policy, thresholds, TLS);
-* :mod:`.core` -- :class:`Router`, the decisions without transport; :mod:`.feed`, :mod:`.server`,
+* :mod:`.core` -- :class:`Router`, the decisions without transport; :mod:`.node_feed`, :mod:`.server`,
   :mod:`.cli`, :mod:`.client` -- the gRPC side (``hicache.v1.Router``: Route / Complete / ListNodes);
-* :mod:`.engine_events` / :mod:`.engine_feed` -- vLLM / SGLang engines followed through their own ZeroMQ KV
+* :mod:`.kv_events` / :mod:`.kv_event_feed` -- vLLM / SGLang engines followed through their own ZeroMQ KV
   events (``router.kv_events``) and their load read from their Prometheus page.
 """
 

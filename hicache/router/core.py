@@ -37,7 +37,7 @@ from hicache.router.scoring import Candidate, RoutingPolicy, Score, create_polic
 from hicache.service.validation import MAX_ID_BYTES, shown
 
 if TYPE_CHECKING:
-    from hicache.router.engine_events import EngineBlocks
+    from hicache.router.kv_events import EngineBlocks
 
 log = logging.getLogger("hicache.router")
 LISTED = 8  # items an error message lists, at most: gRPC sends it in a trailer that clients cap (8 KiB)
@@ -161,7 +161,7 @@ class Router:
         # engines followed through their KV events (router.kv_events) instead of a node's WatchEvents
         self.engines: dict[str, EngineBlocks] = {}
         if rconfig.kv_events:
-            from hicache.router.engine_events import EngineBlocks  # msgpack: only when engines are followed
+            from hicache.router.kv_events import EngineBlocks  # msgpack: only when engines are followed
 
             self.engines = {name: EngineBlocks(self.index, name, self.ns.digest, self.page_size)
                             for name in rconfig.kv_events}

@@ -1,7 +1,7 @@
 """``hicache.v1.Router`` over grpc.aio: the servicer, the server, and its Prometheus metrics.
 
 ``RouterServer(config, rconfig).start()`` builds a :class:`~hicache.router.core.Router`, one
-:class:`~hicache.router.feed.NodeFeed` per node, and a gRPC server with the Router service, the standard
+:class:`~hicache.router.node_feed.NodeFeed` per node, and a gRPC server with the Router service, the standard
 health service (``""``: SERVING while up; ``hicache.v1.Router``: SERVING while at least one node is
 routable) and reflection; optional bearer tokens (every call but health's, checked before its request is read:
 :class:`~hicache.service.auth.AuthInterceptor`), TLS/mTLS and ``/metrics`` (on ``router.metrics_host``,
@@ -44,8 +44,8 @@ from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
 from hicache.router.breaker import status_from_number
 from hicache.router.config import RouterConfig
 from hicache.router.core import MAX_ID_BYTES, NoNodeError, RequestIdConflict, RouteDecision, Router
-from hicache.router.engine_feed import EngineFeed
-from hicache.router.feed import NodeFeed
+from hicache.router.kv_event_feed import EngineFeed
+from hicache.router.node_feed import NodeFeed
 from hicache.service.auth import EVERYONE, Authenticator, AuthInterceptor, Principal, server_credentials
 from hicache.service.decode import DecodeGuard
 from hicache.service.metrics_http import RPC_BUCKETS, MetricsServer

@@ -71,13 +71,13 @@ I/O backends (``io_backend``):
   On a block-first or layer-first pool the staging is lc-major instead: one DMA copy per (layer, K/V,
   run of consecutive host pages), loads one layer per unit, never staggered, a layer-wise load
   scattered on one lane unless ``stage_lanes`` is set, a whole load on every lane
-  (:func:`~hicache.transfer.staged.plan_group_lc`). A block-first pool's
+  (:func:`~hicache.transfer.staged_plan.plan_group_lc`). A block-first pool's
   slots mirror its blocks by default (``block_staging: mirror``,
-  :func:`~hicache.transfer.staged_blocks.plan_group_blocks`): a block the transfer covers is one copy, the runs
+  :func:`~hicache.transfer.staged_plan_blocks.plan_group_blocks`): a block the transfer covers is one copy, the runs
   of partial blocks are packed into the slot, and the kernels find each page in the slot through slot
   keys uploaded with the indices. Kernels and planners
   address host pages by ``HostPool.host_keys``, which covers every layout with a page and a slot stride.
-  See :mod:`hicache.transfer.staged`, and :mod:`hicache.transfer.cuda_tuning` for the defaults and what
+  See :mod:`hicache.transfer.staged_plan`, and :mod:`hicache.transfer.cuda_tuning` for the defaults and what
   they were measured to do. ``load_head_layers`` (default 0) has the gather kernel (``head_blocks``
   blocks, default 16) copy a staged load's first layers from host memory, one event each, before the
   DMA of the others starts, so compute can start sooner: it pays where compute is well over the load.
@@ -112,7 +112,7 @@ unregisters it in :meth:`CudaTransferEngine.close`. Close the engine before ``ho
 Where the engine lives: this module holds the engine, its options and the kernel and copy-engine
 paths; :mod:`~hicache.transfer.cuda_staged_path` submits staged transfers and
 :mod:`~hicache.transfer.cuda_resident_path` the resident kernel's (both mixins of the engine);
-:mod:`~hicache.transfer.cuda_handle` has the handles. Below them: :mod:`~hicache.transfer.staged`
+:mod:`~hicache.transfer.cuda_handle` has the handles. Below them: :mod:`~hicache.transfer.staged_plan`
 (planning), :mod:`~hicache.transfer.cuda_streams` (slots, lanes, DMA streams),
 :mod:`~hicache.transfer.cuda_kernels` (the CUDA sources through CuPy),
 :mod:`~hicache.transfer.copy_engine` (batched copies) and :mod:`~hicache.transfer.cuda_tuning` (defaults).
@@ -157,7 +157,7 @@ from hicache.transfer.cuda_tuning import (
     default_stage_lanes,
 )
 from hicache.transfer.deferred import Pending, SubmitQueue
-from hicache.transfer.staged import group_layers
+from hicache.transfer.staged_plan import group_layers
 
 IoBackend = Literal["kernel", "copy_engine", "staged", "auto"]
 IO_BACKENDS = ("kernel", "copy_engine", "staged", "auto")

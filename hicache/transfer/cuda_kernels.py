@@ -259,9 +259,9 @@ class KernelCopier:
                       n_lc: int, to_host: bool, slot_base: int, lc_major: bool = False,
                       strides: tuple[int, int] | None = None) -> None:
         """Copy between the L1 pool and a device staging slot laid out ``[n_pages, n_lc, piece]``
-        (``lc_major``: ``[n_lc, n_pages, piece]``, see :func:`hicache.transfer.staged.plan_group_lc`;
+        (``lc_major``: ``[n_lc, n_pages, piece]``, see :func:`hicache.transfer.staged_plan.plan_group_lc`;
         ``strides``: any (page, lc) byte strides, e.g. the block-mirrored slots of
-        :func:`hicache.transfer.staged_blocks.plan_group_blocks`, page keys in ``pos_idx``).
+        :func:`hicache.transfer.staged_plan_blocks.plan_group_blocks`, page keys in ``pos_idx``).
 
         Page ``i`` of the slot (``pos_idx[i]``, normally ``i``) pairs with L1 page ``dev_idx[i]``;
         ``to_host`` copies L1 -> slot. The slot is addressed like a page-first (lc-major: layer-first) host

@@ -1,7 +1,7 @@
 """The resident staged kernel of the CUDA transfer engine (``staged_kernel: resident``).
 
 One launch per staged transfer stays on ``resident_blocks`` SMs and follows the DMA through 32-bit flags
-in device memory, instead of one launch per staging slot (:mod:`hicache.transfer.resident` numbers the
+in device memory, instead of one launch per staging slot (:mod:`hicache.transfer.resident_protocol` numbers the
 chunks and states the protocol). A mixin of :class:`~hicache.transfer.cuda.CudaTransferEngine`: it
 reads the engine's pools, geometry, kernels and stagers.
 """
@@ -21,8 +21,8 @@ from hicache.transfer.cuda_handle import LayerFlags
 from hicache.transfer.cuda_kernels import STAGED_DESC_WORDS, CopyGeometry, KernelCopier
 from hicache.transfer.cuda_streams import Stager
 from hicache.transfer.cuda_tuning import SEQ_LIMIT, STAGE_RAMP
-from hicache.transfer.resident import ResidentChunk, number_chunks
-from hicache.transfer.staged import group_layers, plan_group, with_slot_base
+from hicache.transfer.resident_protocol import ResidentChunk, number_chunks
+from hicache.transfer.staged_plan import group_layers, plan_group, with_slot_base
 from hicache.transfer.stagger import LoadSchedule
 
 
@@ -75,8 +75,8 @@ class ResidentPath:
         the slot's previous chunk drained) and publishes ``slot_done`` and the per-layer flags. Neither
         side waits for anything the other has not already been given, so the two never deadlock; the
         kernel needs SMs once per transfer, not once per chunk. The numbering and waits come from
-        :func:`hicache.transfer.resident.number_chunks`, whose protocol :func:`~hicache.transfer.resident.
-        check_protocol` plays out in the tests.
+        :func:`hicache.transfer.resident_protocol.number_chunks`, whose protocol
+        :func:`~hicache.transfer.resident_protocol.check_protocol` plays out in the tests.
         """
         assert self._rt is not None
         L, C = self.layout.num_layers, self.layout.kv_count

@@ -1,7 +1,7 @@
 """The staged path of the CUDA transfer engine: page runs by DMA through a device staging slot, and a
 device-side scatter (loads) or gather (backups) between the slot and L1.
 
-Planning is in :mod:`hicache.transfer.staged` (pure NumPy); the slots, lanes and DMA streams in
+Planning is in :mod:`hicache.transfer.staged_plan` (pure NumPy); the slots, lanes and DMA streams in
 :mod:`hicache.transfer.cuda_streams`. This module submits: per chunk, the DMA on a copy stream and the
 kernel on the slot's lane, ordered by events, with layer-wise loads staggered, optionally headed by the
 gather kernel, and deferred unit by unit (:mod:`hicache.transfer.deferred`). A mixin of
@@ -24,8 +24,15 @@ from hicache.transfer.cuda_resident_path import ResidentPath
 from hicache.transfer.cuda_streams import DmaStreams, Stager
 from hicache.transfer.cuda_tuning import BACKUP_LANES, STAGE_RAMP, STAGGER_MIN_PAGES, staging_slots
 from hicache.transfer.deferred import Pending, SubmitQueue
-from hicache.transfer.staged import StagedChunk, group_layers, plan_group, plan_group_lc, shift_layers, with_slot_base
-from hicache.transfer.staged_blocks import plan_group_blocks
+from hicache.transfer.staged_plan import (
+    StagedChunk,
+    group_layers,
+    plan_group,
+    plan_group_lc,
+    shift_layers,
+    with_slot_base,
+)
+from hicache.transfer.staged_plan_blocks import plan_group_blocks
 from hicache.transfer.stagger import LoadSchedule, StaggerUnit, load_schedule
 
 
@@ -93,7 +100,7 @@ class StagedPath(ResidentPath):
                 deps: list[torch.cuda.Event],
                 layer_wise: bool = True) -> tuple[list[torch.cuda.Event], tuple[Any, ...], LayerFlags | None,
                                                   Deferral | None]:
-        """Submit a staged transfer (see :mod:`hicache.transfer.staged`); returns per-layer events, the
+        """Submit a staged transfer (see :mod:`hicache.transfer.staged_plan`); returns per-layer events, the
         buffers to keep alive, the layer flags of a resident load (:meth:`_staged_resident`), and the
         steps of a layer-wise load not submitted yet (:meth:`_staged_load`).
 
@@ -204,11 +211,11 @@ class StagedPath(ResidentPath):
     def _plan_chunks(self, plans: _StagePlans, layer_begin: int, n_layers: int, slot_bytes: int, to_host: bool,
                      ramp_up: int, ramp_down: int, lo: int = 0, hi: int | None = None) -> list[StagedChunk]:
         """The staged chunks of one layer group for the transfer's pages ``[lo, hi)``: page-major
-        (:func:`~hicache.transfer.staged.plan_group`) for a page-first pool, else block-mirrored where
-        :meth:`_staged` planned them (:func:`~hicache.transfer.staged_blocks.plan_group_blocks`), else lc-major
-        (:func:`~hicache.transfer.staged.plan_group_lc`). Lc-major and block-mirrored chunks (always of
+        (:func:`~hicache.transfer.staged_plan.plan_group`) for a page-first pool, else block-mirrored where
+        :meth:`_staged` planned them (:func:`~hicache.transfer.staged_plan_blocks.plan_group_blocks`), else lc-major
+        (:func:`~hicache.transfer.staged_plan.plan_group_lc`). Lc-major and block-mirrored chunks (always of
         every page: such loads are never staggered) are planned once per group shape in ``plans`` and
-        shifted to each layer group (:func:`~hicache.transfer.staged.shift_layers`)."""
+        shifted to each layer group (:func:`~hicache.transfer.staged_plan.shift_layers`)."""
         g, C = self.geometry, self.layout.kv_count
         keys = plans.keys[lo:hi]
         if self.lc_major:

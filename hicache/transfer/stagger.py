@@ -14,7 +14,7 @@ compute about as long as the load): 1.25x -> 1.15x of max(load, compute), for a 
 extra copies, and the short runs at each part's ends). Loads of a single group (whole pages) are not
 staggered: their runs of consecutive host pages merge into single copies.
 
-Pure Python, no GPU; :mod:`hicache.transfer.staged` plans each unit's chunks.
+Pure Python, no GPU; :mod:`hicache.transfer.staged_plan` plans each unit's chunks.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from typing import NamedTuple
 
-from hicache.transfer.staged import group_layers
+from hicache.transfer.staged_plan import group_layers
 
 
 class StaggerUnit(NamedTuple):
@@ -78,7 +78,7 @@ def load_schedule(num_layers: int, kv_count: int, piece_bytes: int, min_run_byte
                   layer_wise: bool = True, lc_major: bool = False) -> tuple[LoadSchedule, list[tuple[int, int]]]:
     """The schedule of a staged load of ``n_pages`` pages and each part's page range (:func:`way_bounds`).
 
-    The layers from ``head`` on go by groups of :func:`~hicache.transfer.staged.group_layers` (runs of at least
+    The layers from ``head`` on go by groups of :func:`~hicache.transfer.staged_plan.group_layers` (runs of at least
     ``min_run_bytes``), staggered over up to ``stagger_ways`` parts of at least ``min_part_pages`` pages
     each; units and ``ready`` are numbered from layer ``head`` (the first ``head`` layers move another
     way), and ``layer_begin`` is absolute. One group (whole pages) is never staggered: every layer is
@@ -86,7 +86,7 @@ def load_schedule(num_layers: int, kv_count: int, piece_bytes: int, min_run_byte
     staggering would split. Not ``layer_wise`` (the caller waits for the whole load): groups as large as a
     slot allows, whole pages where one fits, not staggered.
 
-    ``lc_major`` (:func:`~hicache.transfer.staged.plan_group_lc`: runs of pages, not layer groups, make
+    ``lc_major`` (:func:`~hicache.transfer.staged_plan.plan_group_lc`: runs of pages, not layer groups, make
     the copies large): one layer per group when ``layer_wise``, else as many layers as let all
     ``n_pages`` share a slot (at least one); never staggered.
     """

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from hicache.bench.workloads import WorkloadSpec, generate
-from hicache.router.engine_events import decode_batch
+from hicache.router.kv_events import decode_batch
 from scriptload import load_script
 
 bench = load_script("benchmarks/router_events.py", "router_events_bench")

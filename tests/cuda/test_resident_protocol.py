@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.transfer.resident import ProtocolError, ResidentChunk, check_protocol, number_chunks
+from hicache.transfer.resident_protocol import ProtocolError, ResidentChunk, check_protocol, number_chunks
 
 
 def _transfers(sizes: list[int], n_slots: int, to_host: bool, start_slot: int = 0) -> list[list[ResidentChunk]]:

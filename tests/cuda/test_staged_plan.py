@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hicache.layout import KVLayout
 from hicache.pool import HostPool
 from hicache.transfer.copy_engine import CopyPlan
-from hicache.transfer.staged import (
+from hicache.transfer.staged_plan import (
     StagedChunk,
     chunk_sizes,
     group_layers,
@@ -21,7 +21,7 @@ from hicache.transfer.staged import (
     shift_layers,
     with_slot_base,
 )
-from hicache.transfer.staged_blocks import plan_group_blocks
+from hicache.transfer.staged_plan_blocks import plan_group_blocks
 
 
 def test_group_layers() -> None:

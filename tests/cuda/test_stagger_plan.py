@@ -7,7 +7,7 @@ import pytest
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from hicache.transfer.staged import plan_group, with_slot_base
+from hicache.transfer.staged_plan import plan_group, with_slot_base
 from hicache.transfer.stagger import load_schedule, stagger_schedule, way_bounds
 
 

@@ -30,7 +30,7 @@ from hicache.keys import page_keys
 from hicache.router import Router
 from hicache.router.client import AsyncRouterClient
 from hicache.router.config import NodeSpec, RouterConfig, load_router_config
-from hicache.router.engine_events import Cleared, EngineEventError, Malformed, Removed, Stored, decode_batch
+from hicache.router.kv_events import Cleared, EngineEventError, Malformed, Removed, Stored, decode_batch
 from hicache.router.server import RouterServer
 
 

@@ -30,7 +30,7 @@ pages) are staged *lc-major* instead (:func:`plan_group_lc`): a chunk's slot hol
 not layer groups, then make the copies large, so loads go one layer at a time, never staggered: layer
 ``i`` is ready once ``i + 1`` layers' worth of the load has landed.
 
-Block-first pools can instead stage slots that mirror their blocks (:mod:`hicache.transfer.staged_blocks`).
+Block-first pools can instead stage slots that mirror their blocks (:mod:`hicache.transfer.staged_plan_blocks`).
 
 Planning is pure NumPy (:func:`plan_group`, :func:`plan_group_lc`) and needs no GPU.
 """
@@ -56,7 +56,7 @@ class StagedChunk(NamedTuple):
     i0: int
     i1: int
     plan: CopyPlan
-    # block-mirrored chunks (hicache.transfer.staged_blocks): each page's key in the slot, which is a
+    # block-mirrored chunks (hicache.transfer.staged_plan_blocks): each page's key in the slot, which is a
     # row of block-shaped bins; None for the other planners, whose slot positions are ``i - i0``
     slot_keys: np.ndarray | None = None
 

@@ -1,6 +1,6 @@
 """Block-mirrored staging for block-first host pools (``cache.host_layout: block_first``,
 ``block_staging: mirror``): each slot is laid out like the pool's blocks, so a block the transfer covers
-moves as one copy. Pure NumPy, no GPU; the other staged plans are in :mod:`hicache.transfer.staged`.
+moves as one copy. Pure NumPy, no GPU; the other staged plans are in :mod:`hicache.transfer.staged_plan`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from hicache.transfer.copy_engine import CopyPlan
-from hicache.transfer.staged import StagedChunk, chunk_sizes
+from hicache.transfer.staged_plan import StagedChunk, chunk_sizes
 
 
 def plan_group_blocks(host_base: int, piece_bytes: int, kv_count: int, num_layers: int, block_pages: int,
@@ -21,13 +21,13 @@ def plan_group_blocks(host_base: int, piece_bytes: int, kv_count: int, num_layer
     A slot is a row of *bins*, each laid out like one host block of the group: ``[n_lc][B][piece]``
     (``n_lc = n_layers * kv_count``), bin ``b`` at slot offset ``b * n_lc * B * piece``; a chunk holds up
     to ``slot_bytes // (n_lc * B * piece)`` bins (fewer in the ramps of
-    :func:`~hicache.transfer.staged.chunk_sizes`, which count bins here). A page sits at slot key
+    :func:`~hicache.transfer.staged_plan.chunk_sizes`, which count bins here). A page sits at slot key
     ``b * n_lc * B + k`` (``slot_keys``; the kernel addresses the slot with page stride ``piece`` and
     (layer, K/V) stride ``B * piece``):
 
     * a block the transfer covers whole takes a bin of its own, ``k = h % B``: its ``n_lc`` rows are
       contiguous on both sides, so it is ONE copy (whole pages of consecutive such blocks merge into one),
-      where :func:`~hicache.transfer.staged.plan_group_lc` makes ``n_lc`` of them;
+      where :func:`~hicache.transfer.staged_plan.plan_group_lc` makes ``n_lc`` of them;
     * the runs of consecutive pages of partly covered blocks are packed in order, next-fit, into the
       bins between two whole blocks (a run that does not fit the rest of a bin opens the next), so sparse
       pages fill slots instead of leaving a hole for every page a block lacks; each run is one copy per

@@ -3,7 +3,7 @@
 :class:`EngineFeed` runs one task per engine on the router's event loop. It subscribes to the engine's
 KV-event publisher (``router.kv_events``: vLLM's ``--kv-events-config '{"enable_kv_cache_events": true,
 "publisher": "zmq", "endpoint": "tcp://*:5557"}'``, SGLang's ``--kv-events-config``) and applies every
-batch in sequence order through :class:`~hicache.router.engine_events.EngineBlocks`.
+batch in sequence order through :class:`~hicache.router.kv_events.EngineBlocks`.
 
 Sequence numbers are the publisher's, from 0, one per batch:
 
@@ -43,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.router.config import NodeSpec
 from hicache.router.core import Router
-from hicache.router.engine_events import EngineBlocks, EngineEventError, decode_batch
+from hicache.router.kv_events import EngineBlocks, EngineEventError, decode_batch
 
 log = logging.getLogger("hicache.router")
 REPLAY_TIMEOUT_S = 1.0  # the longest wait for the next replayed batch
