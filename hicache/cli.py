@@ -3,6 +3,7 @@
 Each subcommand lives in its own module exposing ``add_parser(subparsers)`` and ``run(args) -> int``;
 they are imported lazily so ``hicache bench`` does not load gRPC and ``hicache serve`` does not load
 matplotlib. Errors a user can fix end with exit code 2 and one line on stderr saying what and where.
+Every subcommand's parser prints its help through :class:`HelpFormatter`.
 """
 
 from __future__ import annotations
@@ -10,11 +11,31 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 
 from hicache import __version__
 from hicache.config import ConfigError
+
+_ROLE = re.compile(r":(?:mod|func|class|meth|attr|data|exc|obj):`~?\.?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain(text: str) -> str:
+    """``text`` without reStructuredText inline markup (roles and literals)."""
+    return _LITERAL.sub(r"\1", _ROLE.sub(r"\1", text))
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` as a terminal shows it, for every subcommand: the commands' descriptions are their module
+    docstrings, written in reStructuredText for the API docs. Keeps the description's line breaks (a
+    docstring's examples stay aligned); drops inline markup (````x```` as ``x``, ``:mod:`~hicache.x``` as
+    ``hicache.x``)."""
+
+    def format_help(self) -> str:
+        return plain(super().format_help())
+
 
 # subcommand -> module providing add_parser(subparsers) and run(args)
 SUBCOMMANDS: dict[str, str] = {

@@ -26,7 +26,7 @@ import yaml
 from hicache.eviction import policy_names
 from hicache.keys import Namespace
 from hicache.layout import DTYPES, HOST_LAYOUTS, KVLayout
-from hicache.page_codec import LEVELS, codec_names
+from hicache.storage.page_codec import LEVELS, codec_names
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")

@@ -426,7 +426,7 @@ def test_rpc_table_is_the_service() -> None:
 
 
 def test_metric_names_in_the_docs_are_exported() -> None:
-    from hicache.metrics_catalog import catalog, series_names
+    from hicache.metrics.catalog import catalog, series_names
 
     exported = series_names() | {m.name for m in catalog() if m.type == "histogram"}  # a histogram by its name
     for doc, text in (("README.md", README), *((f"docs/{n}", t) for n, t in DOCS.items())):

@@ -13,7 +13,7 @@ import pytest
 from cli_procs import run_cli
 
 from hicache.config import ConfigError
-from hicache.preflight import check_tls
+from hicache.service.preflight import check_tls
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 

@@ -27,7 +27,7 @@ from hicache.config import (
 )
 from hicache.eviction import policy_names
 from hicache.layout import DTYPES, HOST_LAYOUTS
-from hicache.page_codec import LEVELS, codec_names
+from hicache.storage.page_codec import LEVELS, codec_names
 from hicache.router.config import INDEX_MODES
 from hicache.router.scoring import policy_names as router_policy_names
 

@@ -32,8 +32,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hicache.bench.errors import BenchInputError
 from hicache.bench.units import parse_size
+from hicache.cli import HelpFormatter
 from hicache.config import PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
-from hicache.helptext import HelpFormatter
 
 PROG = "hicache bench"
 

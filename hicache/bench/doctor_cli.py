@@ -27,7 +27,7 @@ from hicache.bench.doctor import DoctorReport, run_doctor
 from hicache.bench.errors import BenchInputError
 from hicache.bench.optimal import page_trace
 from hicache.bench.tokenizer import WordTokenizer
-from hicache.helptext import HelpFormatter
+from hicache.cli import HelpFormatter
 
 PROG = "hicache doctor"
 

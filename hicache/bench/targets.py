@@ -24,10 +24,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hicache.address import AddressError, parse_address
 from hicache.bench.errors import BenchInputError
 from hicache.bench.workloads import TraceRequest
 from hicache.cache import CacheFullError, HiCache
+from hicache.client.address import AddressError, parse_address
 from hicache.config import HiCacheConfig
 
 
@@ -312,7 +312,7 @@ class RouterTarget(Target):
 
 def grpc_url(url: str) -> str:
     """``grpc://host:port`` checked as ``hicache status`` and ``hicache route`` check addresses
-    (:mod:`hicache.address`); :class:`BenchInputError` naming ``--target`` otherwise."""
+    (:mod:`hicache.client.address`); :class:`BenchInputError` naming ``--target`` otherwise."""
     try:
         host, port = parse_address(url)
     except AddressError as e:

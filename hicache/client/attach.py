@@ -7,7 +7,7 @@
 
 CPU: the POSIX shared memory segment the server created (same host only). CUDA: the server's allocation
 rebuilt from its CUDA IPC handle (same host, a CUDA build of torch, the same GPU visible). "Same host" is
-the same kernel (:mod:`hicache.hostid`), so containers and pods of one machine qualify whatever their
+the same kernel (:mod:`hicache.service.hostid`), so containers and pods of one machine qualify whatever their
 hostnames; they still need to see the node's ``/dev/shm``.
 """
 
@@ -20,8 +20,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from hicache.client.types import PoolInfo
-from hicache.hostid import host_id
 from hicache.layout import KVLayout
+from hicache.service.hostid import host_id
 
 if TYPE_CHECKING:  # torch is imported by attach_pool only: a client that never attaches does without it
     import torch

@@ -23,15 +23,15 @@ from typing import Any
 
 import grpc
 
-from hicache.address import PORT_RANGE, AddressError, normalize_address
 from hicache.client._common import ChannelSettings
+from hicache.client.address import PORT_RANGE, AddressError, normalize_address
 from hicache.client.types import Stats
 from hicache.config import ConfigError, token_problem
-from hicache.preflight import check_pem_file
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache.proto_gen.hicache.v1 import router_pb2 as rpb
 from hicache.proto_gen.hicache.v1 import router_pb2_grpc as rpb_grpc
+from hicache.service.preflight import check_pem_file
 
 DESCRIPTION = """\
 Show what a running node (hicache serve) or router (hicache route) holds and does, read from its Stats or

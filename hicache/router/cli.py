@@ -16,7 +16,7 @@ events: ``--kv-events NAME=tcp://HOST:5557`` (its ZeroMQ publisher; ``--kv-event
 to fill gaps from the publisher's buffer). Its ``--node`` address is where clients send its requests, and
 where its Prometheus page (``/metrics``) tells the router its load.
 
-Node addresses are checked as ``hicache status`` checks its target (:mod:`hicache.address`): a malformed
+Node addresses are checked as ``hicache status`` checks its target (:mod:`hicache.client.address`): a malformed
 ``host:port``, a port outside 1-65535, an empty entry, a name or an address given twice exits with code 2
 and one line naming the flag (or ``router.nodes``, or the ``HICACHE_ROUTER__NODES`` variable).
 """
@@ -29,11 +29,11 @@ import os
 import sys
 from typing import Any
 
+from hicache.cli import HelpFormatter
 from hicache.config import ConfigError, blame_env
-from hicache.helptext import HelpFormatter
-from hicache.preflight import check_host, check_pem_file, check_tls
 from hicache.router.config import INDEX_MODES, check_nodes, load_router_config, parse_node
 from hicache.router.scoring import policy_names
+from hicache.service.preflight import check_host, check_pem_file, check_tls
 
 # flag dest -> (section, field)
 _FLAGS: dict[str, tuple[str, str]] = {
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from hicache.service.auth import Authenticator
 
-    try:  # what this machine must offer (hicache.preflight)
+    try:  # what this machine must offer (hicache.service.preflight)
         check_host(rconfig.host, "router.host")
         if rconfig.metrics_port:
             check_host(rconfig.metrics_host, "router.metrics_host")

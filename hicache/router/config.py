@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from hicache.address import PORT_RANGE, AddressError, normalize_address
+from hicache.client.address import PORT_RANGE, AddressError, normalize_address
 from hicache.config import (
     ConfigError,
     HiCacheConfig,
@@ -50,12 +50,12 @@ _ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5
 
 class NodeSpec(NamedTuple):
     name: str  # unique; [A-Za-z0-9_.-] when given, else the address itself
-    address: str  # host:port of the node service, as hicache.address.normalize_address writes it
+    address: str  # host:port of the node service, as hicache.client.address.normalize_address writes it
 
 
 def parse_node(text: str, where: str = "router.nodes") -> NodeSpec:
     """``NAME=host:port`` -> NodeSpec (a bare ``host:port`` is its own name). The address is checked as
-    ``hicache status`` checks its target (:func:`hicache.address.parse_address`) and kept in that form
+    ``hicache status`` checks its target (:func:`hicache.client.address.parse_address`) and kept in that form
     (no ``grpc://``); ``where`` (the config field, or a flag) starts the error message."""
     name, sep, addr = text.partition("=")
     if not sep:

@@ -18,9 +18,9 @@ import math
 import os
 from typing import Any
 
+from hicache.cli import HelpFormatter
 from hicache.config import ConfigError, HiCacheConfig, blame_env, env_sources, load_config, read_config_file
-from hicache.helptext import HelpFormatter
-from hicache.preflight import check_device, check_host, check_memory, check_tls, size_tiers
+from hicache.service.preflight import check_device, check_host, check_memory, check_tls, size_tiers
 from hicache.service.requests import DEFAULT_REQUEST_TTL_S
 
 # flag dest -> (section, field)
@@ -93,7 +93,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def preflight(config: HiCacheConfig, overrides: dict[str, dict[str, Any]], given: set[str] | None = None
               ) -> tuple[HiCacheConfig, str]:
-    """What this machine must offer the config (:mod:`hicache.preflight`). Returns the config with each tier
+    """What this machine must offer the config (:mod:`hicache.service.preflight`). Returns the config with each tier
     size that ``given`` (the fields set anywhere; None: all) does not name sized from this machine, and the
     line saying so ("" when none was); :class:`ConfigError` naming the field, or the environment variable
     that set it."""

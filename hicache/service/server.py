@@ -31,13 +31,13 @@ import grpc
 
 from hicache.cache import HiCache
 from hicache.config import HiCacheConfig
-from hicache.preflight import process_uptime_s
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache.service.auth import Authenticator, AuthInterceptor, server_credentials
 from hicache.service.decode import DecodeGuard
 from hicache.service.events import EventHub
 from hicache.service.metrics_http import MetricsServer, ServiceMetrics
+from hicache.service.preflight import process_uptime_s
 from hicache.service.requests import DEFAULT_REQUEST_TTL_S
 from hicache.service.servicer import HiCacheServicer
 from hicache.service.shared_pool import SharedPool

@@ -57,12 +57,12 @@ import numpy as np
 from hicache.cache import CacheFullError, HiCache, LoadResult, PinInfo, Request
 from hicache.cache_types import MultiHandle
 from hicache.config import ServeConfig
-from hicache.hostid import host_id
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
 from hicache.service.auth import EVERYONE, Authenticator, Principal
 from hicache.service.decode import Undecodable
 from hicache.service.events import EventHub
+from hicache.service.hostid import host_id
 from hicache.service.metrics_http import ServiceMetrics
 from hicache.service.pages import gather_pages, scatter_pages
 from hicache.service.requests import DEFAULT_REQUEST_TTL_S, Entry, RequestTable

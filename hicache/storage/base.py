@@ -33,10 +33,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 from hicache.layout import KVLayout
-from hicache.page_codec import PageCodec, make_codec
 from hicache.pool import HostPool
 from hicache.registry import Registry
 from hicache.storage.frame import PageBuf, pack_page
+from hicache.storage.page_codec import PageCodec, make_codec
 from hicache.storage.pageio import PageBuffers
 
 
@@ -56,7 +56,7 @@ class StorageContext:
     tp_rank: int = 0
     tp_size: int = 1
     host_layout: str = "page_first"
-    compression: str = "none"  # the codec pages are written with (:mod:`hicache.page_codec`); reads take any
+    compression: str = "none"  # the codec pages are written with (:mod:`hicache.storage.page_codec`); reads take any
     compression_level: int = 0  # 0: the codec's default
 
     @property
@@ -155,6 +155,7 @@ class StorageBackend(abc.ABC):
 BackendFactory = Callable[..., StorageBackend]
 # Modules imported on first use of a scheme, so optional dependencies load only when needed.
 BACKENDS: Registry[BackendFactory] = Registry("storage.url", "scheme", lazy={
+    "memory": "hicache.storage.memory",
     "redis": "hicache.storage.redis_backend",
     "rediss": "hicache.storage.redis_backend",
     "redis+sentinel": "hicache.storage.redis_backend",

@@ -12,7 +12,7 @@ Layout (little-endian)::
                   XXH3-128 of the decompressed page
     payload  length bytes
 
-Version 3 frames hold a page compressed by a lossless codec (:mod:`hicache.page_codec`); they are
+Version 3 frames hold a page compressed by a lossless codec (:mod:`hicache.storage.page_codec`); they are
 written only when compression saves space, so a store holds both versions. The first checksum guards the
 stored bytes (damage is caught before anything is decompressed), the second the page they decode to, so
 a codec that decoded wrongly could not hand out a wrong page either. Readers decode whatever codec a
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from hicache.page_codec import PageCodec, codec_for_id, codec_ids
+from hicache.storage.page_codec import PageCodec, codec_for_id, codec_ids
 
 MAGIC = b"HKV1"
 FRAME_VERSION = 2  # a page as it is

@@ -314,7 +314,7 @@ def test_doc_helm_values_render(tmp_path: Path) -> None:
 
 
 def test_doc_metric_names_are_exported() -> None:
-    from hicache.metrics_catalog import series_names
+    from hicache.metrics.catalog import series_names
 
     names = {n for n in re.findall(r"\bhicache_[a-z0-9_]+\b", DOC.read_text()) if not n.endswith("_")}  # not a glob
     assert names and names <= series_names(), sorted(names - series_names())

@@ -1,6 +1,6 @@
 """Metrics reference, alert rules and the Grafana dashboard, checked against the code and a real Prometheus.
 
-- ``docs/metrics.md``'s table is the one :mod:`hicache.metrics_catalog` generates from the metric objects;
+- ``docs/metrics.md``'s table is the one :mod:`hicache.metrics.catalog` generates from the metric objects;
 - every metric an alert or a dashboard panel uses is one a node or router exports, every metric exported is
   on the dashboard (or named as left off it, with why), and the panels tile the grid without overlapping;
 - the chart's PrometheusRule passes ``promtool check rules`` and unit tests (``promtool test rules``) that
@@ -31,7 +31,7 @@ pytest.importorskip("helm_python")
 from cli_procs import ROUTE_READY, SERVE_READY, free_port, start_cli, stop
 from helm_render import CHART, NAMESPACE, render
 
-from hicache.metrics_catalog import catalog, markdown_table, series_names
+from hicache.metrics.catalog import catalog, markdown_table, series_names
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "metrics.md"

@@ -63,7 +63,7 @@ def test_cli_flags() -> None:
 
 
 def test_node_addresses_are_checked_like_status_targets() -> None:
-    """Node addresses follow hicache.address: the rules ``hicache status`` applies to its target."""
+    """Node addresses follow hicache.client.address: the rules ``hicache status`` applies to its target."""
     assert parse_node("a=grpc://h:1") == NodeSpec("a", "h:1")  # the scheme status accepts, dropped
     assert parse_node("a=[::1]:50051") == NodeSpec("a", "[::1]:50051")
     assert parse_node("[::1]:50051") == NodeSpec("[::1]:50051", "[::1]:50051")  # bare: its own name

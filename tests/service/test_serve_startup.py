@@ -20,7 +20,7 @@ import hicache.pool as pool_mod
 from hicache.config import ConfigError, HiCacheConfig, load_config
 from hicache.layout import KVLayout
 from hicache.pool import DevicePool, HostPool, lazy_host_bytes
-from hicache.preflight import check_memory, size_tiers
+from hicache.service.preflight import check_memory, size_tiers
 from hicache.service.shared_pool import SharedPool
 
 GiB = 1 << 30

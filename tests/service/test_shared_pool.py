@@ -46,8 +46,8 @@ def test_attach_tells_machines_apart_by_boot_id_not_hostname() -> None:
 
     from hicache.client.attach import attach_pool
     from hicache.client.types import PoolInfo
-    from hicache.hostid import host_id
     from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
+    from hicache.service.hostid import host_id
 
     here = host_id()
     if not here:

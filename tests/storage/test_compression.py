@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from hicache.cache import HiCache
 from hicache.config import ConfigError, load_config
 from hicache.layout import KVLayout
-from hicache.page_codec import MIN_SAVING, codec_names, make_codec, shuffle, unshuffle_into
 from hicache.pool import HostPool
 from hicache.storage.file_backend import FileBackend
 from hicache.storage.frame import (
@@ -34,6 +33,7 @@ from hicache.storage.frame import (
     unpack_page,
 )
 from hicache.storage.memory import MemoryBackend
+from hicache.storage.page_codec import MIN_SAVING, codec_names, make_codec, shuffle, unshuffle_into
 from hicache.storage.redis_backend import RedisBackend
 from kvhelpers import commit_fresh, kv_equal, read_kv, small_config
 from storage.conftest import BACKENDS, NS, needs_redis, page_keys, pages_equal
