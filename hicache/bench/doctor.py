@@ -21,11 +21,16 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hicache.bench.optimal import infinite, page_trace
+from hicache.bench.tokenizer import WordTokenizer
 from hicache.bench.workloads import TraceRequest
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 THRESHOLD = 0.60
 _HEXLIKE = re.compile(r"^[0-9A-Fa-f]+$")
@@ -331,3 +336,35 @@ def run_doctor(requests: Sequence[TraceRequest], page_size: int, token_text: Cal
     rejected = [g for g in found if g not in groups]
     return DoctorReport(len(requests), diverging, new, groups, rejected, before_inf, after_inf, before_cap, after_cap,
                         capacity_tokens, advise(b, a, groups, after_inf))
+
+
+def render(rep: DoctorReport, console: Console) -> None:
+    """The diagnosis as ``hicache doctor`` and ``hicache bench --doctor`` print it."""
+    from rich.table import Table  # rich: only for the terminal report
+
+    console.print(f"[bold]hicache doctor[/bold] -- {rep.requests} requests: {rep.misses_diverging} misses diverge "
+                  f"from an earlier prompt and re-synchronise (volatile span), {rep.misses_new_content} continue "
+                  "with new content")
+    if rep.groups or rep.rejected:
+        t = Table(title="Diverging spans (grouped by where the prompts re-synchronise)")
+        for col in ("kind", "requests", "tokens lost", "at token", "before [span] after", "moving it to the end"):
+            t.add_column(col, justify="right" if col in ("requests", "tokens lost", "at token") else "left")
+        for g, verdict in [(g, "helps") for g in rep.groups] + [(g, "does not help") for g in rep.rejected[:5]]:
+            t.add_row(g.kind, str(g.count), str(g.tokens_lost), str(g.median_position), g.context.replace("\n", "\\n"),
+                      verdict)
+        console.print(t)
+    console.print(f"hit rate with infinite capacity: {rep.before_infinite:.1%} -> {rep.after_infinite:.1%} "
+                  "after the simulated fix")
+    if rep.before_capacity is not None and rep.after_capacity is not None:
+        console.print(f"hit rate at L1 {rep.capacity_tokens} tokens: {rep.before_capacity:.1%} -> "
+                      f"{rep.after_capacity:.1%}")
+    console.print(f"[bold]advice:[/bold] {rep.advice}")
+
+
+def diagnose_and_render(wl: Any, capacity_tokens: int | None, policy: str, console: Console) -> DoctorReport:
+    """:func:`run_doctor` on a loaded workload (``hicache.bench.run.load_requests``), printed."""
+    tok = wl.tokenizer
+    token_text = tok.token_text if isinstance(tok, WordTokenizer) else (lambda i: tok.decode([i]))
+    rep = run_doctor(wl.requests, wl.page_size, token_text, capacity_tokens, policy)
+    render(rep, console)
+    return rep

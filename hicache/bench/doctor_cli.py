@@ -20,13 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from hicache.bench.cli import add_common, check_outputs, options
-from hicache.bench.doctor import DoctorReport, run_doctor
+from hicache.bench.doctor import diagnose_and_render
 from hicache.bench.errors import BenchInputError
 from hicache.bench.optimal import page_trace
-from hicache.bench.tokenizer import WordTokenizer
 from hicache.cli import HelpFormatter
 
 PROG = "hicache doctor"
@@ -39,34 +37,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_common(p)
     p.add_argument("--json", metavar="PATH", help="write the diagnosis as JSON here")
     return p
-
-
-def render(rep: DoctorReport, console: Console) -> None:
-    console.print(f"[bold]hicache doctor[/bold] -- {rep.requests} requests: {rep.misses_diverging} misses diverge "
-                  f"from an earlier prompt and re-synchronise (volatile span), {rep.misses_new_content} continue "
-                  "with new content")
-    if rep.groups or rep.rejected:
-        t = Table(title="Diverging spans (grouped by where the prompts re-synchronise)")
-        for col in ("kind", "requests", "tokens lost", "at token", "before [span] after", "moving it to the end"):
-            t.add_column(col, justify="right" if col in ("requests", "tokens lost", "at token") else "left")
-        for g, verdict in [(g, "helps") for g in rep.groups] + [(g, "does not help") for g in rep.rejected[:5]]:
-            t.add_row(g.kind, str(g.count), str(g.tokens_lost), str(g.median_position), g.context.replace("\n", "\\n"),
-                      verdict)
-        console.print(t)
-    console.print(f"hit rate with infinite capacity: {rep.before_infinite:.1%} -> {rep.after_infinite:.1%} "
-                  "after the simulated fix")
-    if rep.before_capacity is not None and rep.after_capacity is not None:
-        console.print(f"hit rate at L1 {rep.capacity_tokens} tokens: {rep.before_capacity:.1%} -> "
-                      f"{rep.after_capacity:.1%}")
-    console.print(f"[bold]advice:[/bold] {rep.advice}")
-
-
-def diagnose_and_render(wl: Any, capacity_tokens: int | None, policy: str, console: Console) -> DoctorReport:
-    tok = wl.tokenizer
-    token_text = tok.token_text if isinstance(tok, WordTokenizer) else (lambda i: tok.decode([i]))
-    rep = run_doctor(wl.requests, wl.page_size, token_text, capacity_tokens, policy)
-    render(rep, console)
-    return rep
 
 
 def run(args: argparse.Namespace) -> int:
