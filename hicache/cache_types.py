@@ -8,9 +8,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from hicache.accounting import L2Tally, L3Tally
 from hicache.keys import Namespace
-from hicache.l2_tally import L2Tally
-from hicache.l3_tally import L3Tally
 from hicache.radix import TreeNode
 from hicache.storage.prefetch import PrefetchTask
 from hicache.transfer import TransferHandle

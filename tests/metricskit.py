@@ -105,7 +105,7 @@ def hits(l1: int = 0, l2: int = 0, l3: int = 0) -> dict[Key, float]:
 
 def l3_run(matched: int = 0, **unserved: int) -> dict[Key, float]:
     """Tokens Match found on L3 (``hicache_l3_matched_tokens_total``) and, by reason, tokens of such runs
-    not served from L3 (``hicache_l3_unserved_tokens_total``; reasons as :mod:`hicache.l3_tally`)."""
+    not served from L3 (``hicache_l3_unserved_tokens_total``; reasons as :class:`hicache.accounting.L3Tally`)."""
     out = {key("hicache_l3_matched_tokens_total"): float(matched)}
     out.update({key("hicache_l3_unserved_tokens_total", reason=r): float(v) for r, v in unserved.items()})
     return out
@@ -113,7 +113,7 @@ def l3_run(matched: int = 0, **unserved: int) -> dict[Key, float]:
 
 def l2_unserved(**reasons: int) -> dict[Key, float]:
     """Tokens Match found on L2 and not served from it, by reason (``hicache_l2_unserved_tokens_total``;
-    reasons as :mod:`hicache.l2_tally`)."""
+    reasons as :class:`hicache.accounting.L2Tally`)."""
     return {key("hicache_l2_unserved_tokens_total", reason=r): float(v) for r, v in reasons.items()}
 
 

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from metricskit import Ledger, hits, key, l2_unserved, l3_run, loadback, lookups, merge, samples
 
+from hicache.accounting import L2_UNSERVED_REASONS as UNSERVED_REASONS
 from hicache.bench.replay import replay
 from hicache.bench.run import replay_config
 from hicache.bench.targets import InProcessTarget
 from hicache.bench.workloads import TraceRequest
 from hicache.cache import CacheFullError, HiCache, Request
-from hicache.l2_tally import UNSERVED_REASONS
 from kvhelpers import commit_fresh, kv_equal, read_kv, small_config, write_kv
 
 P = 4  # tokens per page (small_config)

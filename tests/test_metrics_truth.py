@@ -43,10 +43,10 @@ from metricskit import (
     storage,
 )
 
+from hicache.accounting import L2_UNSERVED_REASONS
+from hicache.accounting import L3_UNSERVED_REASONS as UNSERVED_REASONS
 from hicache.cache import HiCache, Request
 from hicache.keys import page_keys_from_bytes, tokens_to_bytes
-from hicache.l2_tally import UNSERVED_REASONS as L2_UNSERVED_REASONS
-from hicache.l3_tally import UNSERVED_REASONS
 from hicache.storage.memory import MemoryBackend
 from kvhelpers import commit_fresh, small_config, write_kv
 

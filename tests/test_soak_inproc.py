@@ -37,10 +37,10 @@ import pytest
 import torch
 from soakkit import Counters, PageModel, run_threads
 
+from hicache.accounting import L2_UNSERVED_REASONS
+from hicache.accounting import L3_UNSERVED_REASONS as UNSERVED_REASONS
 from hicache.cache import CacheFullError, HiCache, Request
 from hicache.config import config_from_dict
-from hicache.l2_tally import UNSERVED_REASONS as L2_UNSERVED_REASONS
-from hicache.l3_tally import UNSERVED_REASONS
 from hicache.pool import HostPool
 from hicache.radix import TreeNode
 from hicache.storage.redis_local import LocalRedis, redis_server_binary

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from tenantkit import L1_PAGES, PS, compute, held, hits, make, prompt
 
-import hicache.cache as cache_mod
+import hicache.tenants as tenants_mod
 from kvhelpers import kv_equal, read_kv, write_kv
 
 # ------------------------------------------------------------------ the eviction paths
@@ -133,7 +133,7 @@ def test_a_tenant_over_its_share_with_its_pages_locked_or_pinned_loses_only_the_
 def test_a_tenant_holding_pages_keeps_its_share_however_many_tenants_come_by(monkeypatch: pytest.MonkeyPatch) -> None:
     """More tenants than the cache remembers look up (and miss): noisy, which holds pages, is still
     capped, and ``tenant_pages`` still counts its pages."""
-    monkeypatch.setattr(cache_mod, "TENANT_MEMORY", 2)
+    monkeypatch.setattr(tenants_mod, "TENANT_MEMORY", 2)
     cache = make({"noisy": 0.25, "*": 1.0})
     acme, noisy = cache.namespace("acme"), cache.namespace("noisy")
     docs = [prompt(i, 3) for i in range(3)]
@@ -154,7 +154,7 @@ def test_a_tenant_holding_pages_keeps_its_share_however_many_tenants_come_by(mon
 def test_a_tenant_forgotten_between_its_match_and_its_commit_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     """noisy's first request matches (nothing: its namespace has no pages yet), other tenants pass by, and
     only then does it commit: its pages still count against its share."""
-    monkeypatch.setattr(cache_mod, "TENANT_MEMORY", 1)
+    monkeypatch.setattr(tenants_mod, "TENANT_MEMORY", 1)
     cache = make({"noisy": 0.25, "*": 1.0})
     acme, noisy = cache.namespace("acme"), cache.namespace("noisy")
     docs = [prompt(i, 3) for i in range(3)]
@@ -176,7 +176,7 @@ def test_a_tenant_forgotten_between_its_match_and_its_commit_is_capped(monkeypat
 
 def test_a_tenant_forgotten_before_its_prefetch_lands_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     """As above, but noisy's first pages in the tree are the L3 run its prefetch brings back."""
-    monkeypatch.setattr(cache_mod, "TENANT_MEMORY", 1)
+    monkeypatch.setattr(tenants_mod, "TENANT_MEMORY", 1)
     with tempfile.TemporaryDirectory() as d:
         cache = make({"noisy": 0.25, "*": 1.0}, l2=16, storage=f"file://{d}")
         acme, noisy = cache.namespace("acme"), cache.namespace("noisy")

@@ -22,7 +22,7 @@ import pytest
 from prometheus_client import generate_latest
 from soakkit import PageModel, run_threads
 
-import hicache.cache as cache_mod
+import hicache.tenants as tenants_mod
 from hicache.cache import CacheFullError, HiCache, Request
 from hicache.config import config_from_dict
 
@@ -144,7 +144,7 @@ class Run:
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
 def test_tenant_shares_under_concurrent_requests_scrapes_and_evictions(write_policy: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cache_mod, "TENANT_MEMORY", 2)
+    monkeypatch.setattr(tenants_mod, "TENANT_MEMORY", 2)
     cache = HiCache(config_from_dict({
         "layout": {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": DIM, "dtype": "float32",
                    "page_size": PS},

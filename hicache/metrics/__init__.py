@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
-from hicache.l2_tally import UNSERVED_REASONS as L2_UNSERVED_REASONS
-from hicache.l3_tally import UNSERVED_REASONS
+from hicache.accounting import L2_UNSERVED_REASONS
+from hicache.accounting import L3_UNSERVED_REASONS as UNSERVED_REASONS
 
 TIERS = ("l1", "l2", "l3")
 STORAGE_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)

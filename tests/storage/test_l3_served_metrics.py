@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from metricskit import StallingStore, key, samples, stalling_cache
 
+from hicache.accounting import L3_UNSERVED_REASONS as UNSERVED_REASONS
 from hicache.cache import CacheFullError, HiCache
 from hicache.keys import page_keys_from_bytes, tokens_to_bytes
-from hicache.l3_tally import UNSERVED_REASONS
 from hicache.storage.prefetch import PrefetchTask
 from kvhelpers import commit_fresh, kv_equal, read_kv, small_config
 
