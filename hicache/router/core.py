@@ -43,10 +43,13 @@ log = logging.getLogger("hicache.router")
 LISTED = 8  # items an error message lists, at most: gRPC sends it in a trailer that clients cap (8 KiB)
 
 
-def _fingerprint(token_bytes: bytes, policy: str, exclude: Sequence[str]) -> bytes:
-    """What makes two Route calls the same request: tokens, policy and excluded nodes."""
-    h = hashlib.blake2b(token_bytes, digest_size=16)
-    h.update(repr((policy, sorted(exclude))).encode())
+def _fingerprint(keys: Sequence[bytes], token_bytes: bytes, page_size: int, policy: str,
+                 exclude: Sequence[str]) -> bytes:
+    """What makes two Route calls the same request: tokens, policy and excluded nodes. The last page key
+    already commits to every full page (keys are chained), so only it and the partial tail are hashed."""
+    h = hashlib.blake2b(keys[-1] if keys else b"", digest_size=16)
+    h.update(memoryview(token_bytes)[len(keys) * page_size * 4:])
+    h.update(repr((len(token_bytes), policy, sorted(exclude))).encode())
     return h.digest()
 
 
@@ -266,6 +269,7 @@ class Router:
         """
         self.inflight.expire()  # a route past its TTL no longer counts, nor answers to its request's id
         key: tuple[str, str] | None = None
+        keys: list[bytes] | None = None
         if request_id and not peek:
             if len(request_id.encode()) > MAX_ID_BYTES:
                 raise ValueError(f"request_id: longer than {MAX_ID_BYTES} bytes")
@@ -273,7 +277,8 @@ class Router:
             seen = self.inflight.named(key)
             if seen is not None:
                 _, (mark, decision) = seen
-                if mark != _fingerprint(token_bytes, policy, exclude):
+                keys = page_keys_from_bytes(self.namespace(tenant).digest, token_bytes, self.page_size)
+                if mark != _fingerprint(keys, token_bytes, self.page_size, policy, exclude):
                     raise RequestIdConflict(f"request_id {shown(request_id)} is in flight for another request "
                                             "(other tokens, policy or excluded nodes); Complete its route first")
                 return decision._replace(replayed=True)  # type: ignore[no-any-return]
@@ -321,7 +326,7 @@ class Router:
         decision = RouteDecision(rid, chosen.node, st.spec.address, chosen.l1_pages, chosen.l2_pages, len(keys),
                                  pol.name, d.reason, scored)
         if key is not None:
-            self.inflight.name(rid, key, (_fingerprint(token_bytes, policy, exclude), decision))
+            self.inflight.name(rid, key, (_fingerprint(keys, token_bytes, self.page_size, policy, exclude), decision))
         return decision
 
     def complete(self, route_id: str, code: grpc.StatusCode = grpc.StatusCode.OK) -> str | None:
