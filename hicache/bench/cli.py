@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
         render(res, console)
         extra: dict[str, Any] = {}
         if args.doctor:
-            from hicache.bench.doctor_cli import diagnose_and_render
+            from hicache.bench.doctor import diagnose_and_render
 
             extra["doctor"] = diagnose_and_render(wl, res.l1_tokens, opts.eviction_policy, console).to_dict()
         if args.out:
