@@ -2,7 +2,9 @@
 
 * :mod:`.server`       -- builds and runs the grpc.aio server (uvloop, TLS/mTLS, auth, health, reflection,
   bounded concurrency, graceful SIGTERM with an L3 flush).
-* :mod:`.servicer`     -- the RPC handlers over one :class:`hicache.cache.HiCache`.
+* :mod:`.servicer`     -- the RPC handlers over one :class:`hicache.cache.HiCache`, composed of
+  :mod:`.request_rpcs` (Match .. Release), :mod:`.node_rpcs` (Stats, Flush, pins, Clear, WatchEvents,
+  GetPoolInfo, Attach) and :mod:`.page_rpcs` (ReadPages, WritePages) over :mod:`.servicer_base`.
 * :mod:`.rpc`          -- status mapping, the concurrency bound and timing around every handler.
 * :mod:`.validation`   -- request checks: every rejected call is refused before the cache is touched.
 * :mod:`.decode`       -- a request whose bytes do not decode gets INVALID_ARGUMENT, not UNKNOWN.

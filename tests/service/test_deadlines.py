@@ -18,7 +18,7 @@ from hicache.client import AsyncHiCacheClient
 from hicache.config import config_from_dict
 from hicache.pool import HostPool
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
-from hicache.service import servicer as servicer_mod
+from hicache.service import request_rpcs
 from hicache.service.server import NodeServer
 from hicache.storage.base import StorageContext
 from hicache.storage.memory import MemoryBackend
@@ -197,7 +197,7 @@ def test_a_match_cancelled_as_its_worker_ends_leaves_the_id_usable(monkeypatch: 
                 for fails in (True, False):
                     rid = f"cut-{fails}"
                     node.servicer._load = failing_load if fails else real_load  # type: ignore[method-assign]
-                    monkeypatch.setattr(servicer_mod, "blocking", cancelled_as_it_ends)
+                    monkeypatch.setattr(request_rpcs, "blocking", cancelled_as_it_ends)
                     try:
                         await node.servicer._match(pb.MatchRequest(request_id=rid, tokens=toks.tobytes(),
                                                                    load=True))
