@@ -1,9 +1,14 @@
 """``hedge_lru``, the default eviction policy: LRU unless miniature simulations show a probation order hits
 more. What it keeps and evicts, that locked and pinned pages stay whatever order it follows, that the same
-requests give the same order, that its books hold under random requests, and that it is never below LRU
+requests give the same order, that its decisions are those of the plain algorithm (cached samples, one
+pass per order), that its books hold under random requests, and that it is never below LRU
 (minus the 0.3-point floor) on generated traces that played no part in its design or fit."""
 
 from __future__ import annotations
+
+import hashlib
+import math
+import zlib
 
 import numpy as np
 import pytest
@@ -18,7 +23,7 @@ from hicache.bench.traces import GENERATED_BLOCK, generated_trace
 from hicache.config import CacheConfig
 from hicache.eviction import HedgeLRU, make_policy, policy_names
 from hicache.eviction.hedge import Shadow
-from hicache.radix import RadixTree
+from hicache.radix import RadixTree, TreeNode
 from scriptload import load_script
 
 PAGE = 2
@@ -72,6 +77,33 @@ def test_thinning_keeps_the_sparser_sample_in_order() -> None:
     sh.serve(list(range(8)), 8)
     sh.thin(1, 4)
     assert list(sh.pages) == [6, 4, 2, 0] and all(h % 2 == 0 for h in sh.probation)
+
+
+@pytest.mark.parametrize("share", [None, 0.3])
+def test_one_pass_access_is_hits_then_serve(share: float | None) -> None:
+    rng = np.random.default_rng(5)
+    one, two = Shadow(share), Shadow(share)
+    for _ in range(400):
+        n = int(rng.integers(1, 12))
+        path = [int(x) for x in rng.choice(40, size=n, replace=False)]
+        cap = int(rng.integers(4, 24))
+        k = two.hits(path)
+        two.serve(path, cap)
+        assert one.access(path, cap) == k
+        assert (list(one.pages), list(one.probation), list(one.ghost)) == \
+            (list(two.pages), list(two.probation), list(two.ghost))
+
+
+def test_a_path_with_a_repeated_hash_counts_as_the_plain_algorithm() -> None:
+    """Two pages of a request with the same crc32: the leading run stops at the first, as ``hits`` counts."""
+    ours, ref = HedgeLRU(), Reference()
+    for p in (ours, ref):
+        p.bind(RadixTree(PAGE, "lru"))
+        p.peak = 5
+        for path in ([1, 2, 3], [1, 2, 3], [4, 5], [2, 6, 2], [2, 6, 2], [7, 8, 9], [1, 2, 3], [2, 6, 2]):
+            p._request(path)
+    assert (ours.score, ours.spread) == (ref.score, ref.spread) and ours.score != [0.0, 0.0]
+    assert [list(sh.pages) for sh in (ours.lru, *ours.shadows)] == [list(sh.pages) for sh in (ref.lru, *ref.shadows)]
 
 
 # ----------------------------------------------------------------------------------------- the tree
@@ -175,6 +207,125 @@ def test_books_hold_under_random_requests(capacity: int, backup: bool, requests:
         assert len(policy.ghost) <= policy.peak and not {k for n in nodes for k in n.page_keys} & policy.ghost.keys()
         assert policy.leader is None or 0 <= policy.leader < len(policy.SHARES)
         assert len(set(cache.free)) == len(cache.free)
+
+
+# ----------------------------------------------------------- decisions: the same as the plain algorithm
+def decisions(requests: list[list[int]], page: int, capacity: int, shadow: int | None, backup: bool,
+              reference: bool = False) -> str:
+    """A digest of every decision ``hedge_lru`` makes serving ``requests`` (``TreeCache``, L1 of
+    ``capacity`` pages; with ``backup`` an L2 that loses 5 pages every 7th request): per request its leader,
+    switches, sampling rate, peak, unhit pages, ``S`` and ``V``; then the L1 pages freed and the page keys
+    of the nodes removed, in order. ``reference``: the plain algorithm (:class:`Reference`) instead."""
+    c = TreeCache("hedge_lru", capacity, page, backup)
+    p = policy_of(c)
+    if reference:
+        p = Reference()
+        c.tree.policy, c.tree._policy = p, p.key
+        p.bind(c.tree)
+    if shadow is not None:
+        p.SHADOW_PAGES = shadow  # type: ignore[misc]  # thin the sample early, as a large cache would
+    h = hashlib.sha256()
+    gone = p.on_remove
+
+    def on_remove(node: TreeNode) -> None:
+        h.update(b"".join(node.page_keys))
+        gone(node)
+
+    p.on_remove = on_remove  # type: ignore[method-assign]
+    for i, tokens in enumerate(requests):
+        c.serve(tokens)
+        if backup and i % 7 == 0:
+            c.tree.evict_host(5)
+        h.update(repr((p.leader, p.switches, p.rate, p.peak, p.unhit_pages, p.score, p.spread)).encode())
+    h.update(repr(c.evicted).encode())
+    return h.hexdigest()[:16]
+
+
+class Reference(HedgeLRU):
+    """The contract computed plainly: a crc32 of every page key of every node a hook is told of, and per
+    request each order's leading run (``Shadow.hits``), then its access (``Shadow.serve``), in two passes."""
+
+    def _sample(self, node: TreeNode) -> None:
+        mask = self.rate - 1
+        self._buf.extend(h for h in map(zlib.crc32, node.page_keys) if not h & mask)
+
+    def _request(self, path: list[int]) -> None:
+        mask = self.rate - 1
+        path = [h for h in path if not h & mask]
+        if not path:
+            return
+        cap = max(1, self.peak // self.rate)
+        base = self.lru.hits(path)
+        self.lru.serve(path, cap)
+        for i, sh in enumerate(self.shadows):
+            d = sh.hits(path) - base
+            sh.serve(path, cap)
+            self.score[i] = self.score[i] * self.keep + d
+            self.spread[i] = self.spread[i] * self.keep + d * d
+        lead = self.leader
+        if lead is not None and self.score[lead] <= 0.0:
+            lead = None
+        best = 0.0 if lead is None else self.score[lead]
+        for i, s in enumerate(self.score):
+            if s > best and s > self.Z * math.sqrt(self.spread[i]):
+                lead, best = i, s
+        if lead != self.leader:
+            self.switches += 1
+            self.leader = lead
+
+
+def generated(kind: str, seed: int, n: int) -> list[list[int]]:
+    return [[int(x) for x in r.tokens] for r in generated_trace(kind, seed, n)]
+
+
+def random_stream(seed: int, n: int, page: int) -> list[list[int]]:
+    """Prefixes of 30 documents (12 pages, Zipf popularity) cut at random, some mid-page (the tree splits
+    nodes), each followed by 0-3 pages of its own."""
+    rng = np.random.default_rng(seed)
+    docs = [[d * 10_000 + j for j in range(12 * page)] for d in range(30)]
+    out = []
+    for i in range(n):
+        d = int(rng.zipf(1.3)) % len(docs)
+        k = int(rng.integers(1, 13))
+        tail = [(i + 1) * 1_000_000 + j for j in range(int(rng.integers(0, 4)) * page)]
+        out.append(docs[d][: k * page + int(rng.integers(0, page))] + tail)
+    return out
+
+
+# digests taken with the policy as it was before its hooks cached samples and merged the shadow passes
+@pytest.mark.parametrize(("kind", "seed", "n", "capacity", "shadow", "backup", "digest"), [
+    ("oneoff", 100, 400, 96, None, False, "385e180949a7728e"),  # rate 1, one switch
+    ("rag", 101, 400, 92, None, False, "330eec8c7b901f29"),  # rate 1, three switches
+    ("mixed", 105, 400, 60, 16, False, "e1b6b3df8a644f02"),  # thinned to rate 2, 17 switches
+    ("rag", 105, 400, 42, 8, False, "f820cfa994f01970"),  # rate 4
+    ("drift", 103, 300, 57, 8, True, "07bac393abb7b270"),  # with L2 and its evictions
+])
+def test_decisions_unchanged_on_generated_traces(kind: str, seed: int, n: int, capacity: int, shadow: int | None,
+                                                 backup: bool, digest: str) -> None:
+    reqs = generated(kind, seed, n)
+    assert decisions(reqs, GENERATED_BLOCK, capacity, shadow, backup) == digest
+    assert decisions(reqs, GENERATED_BLOCK, capacity, shadow, backup, reference=True) == digest
+
+
+@pytest.mark.parametrize(("seed", "capacity", "shadow", "backup", "digest"), [
+    (0, 40, None, False, "fc0741babd702466"),  # rate 1, ~300 splits, both probation orders led
+    (1, 40, 2, False, "ddd229e7539f6981"),  # thinned to rate 16
+    (2, 60, 4, True, "5e7a407141df9e31"),  # rate 8, with L2 and its evictions
+])
+def test_decisions_unchanged_on_a_random_stream_with_splits(seed: int, capacity: int, shadow: int | None,
+                                                            backup: bool, digest: str) -> None:
+    reqs = random_stream(seed, 1500, PAGE)
+    assert decisions(reqs, PAGE, capacity, shadow, backup) == digest
+    assert decisions(reqs, PAGE, capacity, shadow, backup, reference=True) == digest
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), capacity=st.integers(2, 40), shadow=st.sampled_from([None, 1, 2, 4]),
+       backup=st.booleans())
+def test_decisions_match_the_plain_algorithm(seed: int, capacity: int, shadow: int | None, backup: bool) -> None:
+    reqs = random_stream(seed, 150, PAGE)
+    assert decisions(reqs, PAGE, capacity, shadow, backup) == decisions(reqs, PAGE, capacity, shadow, backup,
+                                                                        reference=True)
 
 
 # ------------------------------------------------------------------- held out: never below LRU

@@ -15,19 +15,25 @@ if TYPE_CHECKING:
 
 class _Hit:
     """``TreeNode.meta`` under :class:`HedgeLRU`: whether a request hit the node since it entered the tree
-    (or it came back from the ghost list)."""
+    (or it came back from the ghost list), and the node's sampled page hashes, cached: ``sample`` holds
+    the ``crc32`` of the keys of ``keys`` (the node's ``page_keys`` list when it was taken; a split gives
+    the node a new one) that rate ``rate`` samples, in page order."""
 
-    __slots__ = ("hit",)
+    __slots__ = ("hit", "keys", "rate", "sample")
 
     def __init__(self, hit: bool) -> None:
         self.hit = hit
+        self.keys: list[bytes] | None = None
+        self.rate = 0
+        self.sample: list[int] = []
 
 
 class Shadow:
     """A page-level simulation of one order on sampled page hashes: LRU over all pages, except that while
     pages never hit since they came in (probation) hold more than ``share`` of the capacity, the least
     recent of them goes first (``share`` None: plain LRU). A page that comes back while the ghost list
-    (the last ``capacity`` pages evicted) remembers it starts hit."""
+    (the last ``capacity`` pages evicted) remembers it starts hit. Without a share nothing depends on
+    probation or on the ghost list: neither is kept."""
 
     __slots__ = ("ghost", "pages", "probation", "share")
 
@@ -50,20 +56,64 @@ class Shadow:
         """Access ``path`` (leaf side first, so a parent ends up more recent than its children), then evict
         down to ``capacity``."""
         pages, prob, ghost = self.pages, self.probation, self.ghost
-        for h in reversed(path):
-            if h in pages:
+        if self.share is None:
+            for h in reversed(path):
+                pages[h] = None
                 pages.move_to_end(h)
-                prob.pop(h, None)
-                continue
-            pages[h] = None
-            if ghost.pop(h, 0) is not None:
-                prob[h] = None
+        else:
+            for h in reversed(path):
+                if h in pages:
+                    pages.move_to_end(h)
+                    prob.pop(h, None)
+                    continue
+                pages[h] = None
+                if ghost.pop(h, 0) is not None:
+                    prob[h] = None
         self.trim(capacity)
+
+    def access(self, path: list[int], capacity: int) -> int:
+        """``hits(path)``, then ``serve(path, capacity)``, in one pass. ``path``'s hashes must be distinct:
+        the leading run held is then up to the root-most page found missing (the pass goes leaf first)."""
+        pages = self.pages
+        move = pages.move_to_end
+        last = None  # the root-most page missing
+        if self.share is None:
+            for h in reversed(path):
+                if h in pages:
+                    move(h)
+                else:
+                    pages[h] = None
+                    last = h
+        else:
+            prob, ghost = self.probation, self.ghost
+            for h in reversed(path):
+                if h in pages:
+                    move(h)
+                    if h in prob:
+                        del prob[h]
+                elif h in ghost:
+                    pages[h] = None
+                    del ghost[h]
+                    last = h
+                else:
+                    pages[h] = None
+                    prob[h] = None
+                    last = h
+        if last is None:  # all held
+            if len(pages) > capacity or len(self.ghost) > capacity:
+                self.trim(capacity)
+            return len(path)
+        self.trim(capacity)
+        return path.index(last)
 
     def trim(self, capacity: int) -> None:
         """Evict down to ``capacity`` pages (and forget ghosts beyond as many)."""
         pages, prob, ghost = self.pages, self.probation, self.ghost
-        budget = math.inf if self.share is None else self.share * capacity
+        if self.share is None:
+            while len(pages) > capacity:
+                pages.popitem(last=False)
+            return
+        budget = self.share * capacity
         while len(pages) > capacity:
             if len(prob) > budget:
                 h, _ = prob.popitem(last=False)
@@ -114,9 +164,11 @@ class HedgeLRU(EvictionPolicy):
     the traffic itself, against LRU as the counterfactual, so an order that does not help is never
     followed for long. Held-out figures: ``benchmarks/policy_eval.py``.
 
-    Cost: per request O(sampled pages x (1 + len(SHARES))) dict operations plus one crc32 per page
-    touched; keys O(1); memory about ``(1 + len(SHARES)) x 3 x 2 x SHADOW_PAGES`` ints and the ghost list's
-    page keys.
+    Cost: per request O(sampled pages x (1 + len(SHARES))) dict operations (one pass per order) and a
+    list extend per node touched: a node's sampled hashes are cached on it (one crc32 per page when it
+    enters the tree or is split, a filter of the cache when the rate goes up); keys O(1); memory about
+    ``(1 + 3 x len(SHARES)) x 2 x SHADOW_PAGES`` ints (LRU keeps no probation or ghost list), the sampled
+    hashes of the tree's pages and the ghost list's page keys. ``benchmarks/policy_cost.py`` times it.
     """
 
     SHARES: tuple[float, ...] = (0.3, 0.1)  # probation budgets simulated beside LRU, shares of the L1 peak
@@ -158,11 +210,22 @@ class HedgeLRU(EvictionPolicy):
 
     # ------------------------------------------------------------------ the request stream
     def _sample(self, node: TreeNode) -> None:
-        mask, crc, buf = self.rate - 1, zlib.crc32, self._buf
-        for pk in node.page_keys:
-            h = crc(pk)
-            if not h & mask:
-                buf.append(h)
+        """Append the node's sampled page hashes to the group's: cached on the node, taken again after a
+        split (new ``page_keys``), thinned when the rate went up (a sparser sample of the same hashes)."""
+        m, rate, keys = node.meta, self.rate, node.page_keys
+        if m is None:
+            mask = rate - 1
+            self._buf += [h for h in map(zlib.crc32, keys) if not h & mask]
+            return
+        if m.keys is not keys or m.rate > rate:
+            m.keys, m.rate = keys, rate
+            mask = rate - 1
+            m.sample = [h for h in map(zlib.crc32, keys) if not h & mask]
+        elif m.rate != rate:
+            m.rate = rate
+            mask = rate - 1
+            m.sample = [h for h in m.sample if not h & mask]
+        self._buf += m.sample
 
     def _group(self, now: int, kind: str) -> None:
         """Hooks of one tree call share its clock: a new clock closes the previous group. A match group
@@ -184,18 +247,26 @@ class HedgeLRU(EvictionPolicy):
 
     def _request(self, path: list[int]) -> None:
         mask = self.rate - 1
-        path = [h for h in path if not h & mask]
+        if mask:  # a match's pages wait for its insert, which may raise the rate
+            path = [h for h in path if not h & mask]
         if not path:
             return
         cap = max(1, self.peak // self.rate)
-        base = self.lru.hits(path)
-        self.lru.serve(path, cap)
-        keep = self.keep
-        for i, sh in enumerate(self.shadows):
-            d = sh.hits(path) - base
-            sh.serve(path, cap)
-            self.score[i] = self.score[i] * keep + d
-            self.spread[i] = self.spread[i] * keep + d * d
+        keep, score, spread = self.keep, self.score, self.spread
+        if len(set(path)) == len(path):  # one pass per order (a crc32 collision in the path: two)
+            base = self.lru.access(path, cap)
+            for i, sh in enumerate(self.shadows):
+                d = sh.access(path, cap) - base
+                score[i] = score[i] * keep + d
+                spread[i] = spread[i] * keep + d * d
+        else:
+            base = self.lru.hits(path)
+            self.lru.serve(path, cap)
+            for i, sh in enumerate(self.shadows):
+                d = sh.hits(path) - base
+                sh.serve(path, cap)
+                score[i] = score[i] * keep + d
+                spread[i] = spread[i] * keep + d * d
         lead = self.leader
         if lead is not None and self.score[lead] <= 0.0:
             lead = None
@@ -244,6 +315,7 @@ class HedgeLRU(EvictionPolicy):
         m = lower.meta
         if m is not None:
             upper.meta = _Hit(m.hit)  # the pages only change nodes: the unhit page count stays
+            m.keys = None  # lower loses its first pages: sampled again when next touched
 
     def on_remove(self, node: TreeNode) -> None:
         m = node.meta
