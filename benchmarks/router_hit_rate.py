@@ -38,7 +38,7 @@ from hicache.client.types import Event
 from hicache.config import CacheConfig, HiCacheConfig, config_from_dict
 from hicache.keys import Namespace
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
-from hicache.radix import TreeEvent
+from hicache.radix_types import TreeEvent
 from hicache.router import Router
 from hicache.router.config import NodeSpec, RouterConfig
 from hicache.router.index import Applied

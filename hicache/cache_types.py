@@ -10,7 +10,7 @@ import numpy as np
 
 from hicache.accounting import L2Tally, L3Tally
 from hicache.keys import Namespace
-from hicache.radix import TreeNode
+from hicache.radix_types import TreeNode
 from hicache.storage.prefetch import PrefetchTask
 from hicache.transfer import TransferHandle
 

@@ -1,7 +1,10 @@
-"""One radix tree over all tiers, keyed by tokens, aligned to pages.
+"""One radix tree over all tiers, keyed by tokens, aligned to pages: :class:`RadixTree`.
 
-Every non-root node holds a run of whole pages: its tokens (uint32 LE bytes), one page key per page,
-and where those pages live: ``device`` (L1 page indices) and/or ``host`` (L2 page indices).
+Every non-root node (:class:`~hicache.radix_types.TreeNode`) holds a run of whole pages: its tokens (uint32
+LE bytes), one page key per page, and where those pages live: ``device`` (L1 page indices) and/or ``host``
+(L2 page indices). The tree matches, inserts, moves runs between tiers (telling ``listeners`` of every
+change, :class:`~hicache.radix_types.TreeEvent`), locks and pins paths; eviction is
+:class:`~hicache.radix_evict.TreeEviction`'s, the half of the tree that frees pages.
 
 Invariants (``check_invariants`` verifies them; the property tests call it after every step):
 
@@ -17,113 +20,20 @@ The tree is *not* thread-safe: the cache serialises every call under its one tre
 
 from __future__ import annotations
 
-import contextlib
-import heapq
 import itertools
-from collections.abc import Callable, Collection, Iterator, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 from hicache.eviction import make_policy
+from hicache.radix_evict import TreeEviction
+from hicache.radix_types import EMPTY, InsertResult, TreeEvent, TreeMatch, TreeNode
 
-EMPTY = np.empty(0, dtype=np.int64)
-
-
-class TreeNode:
-    """A run of whole pages under its parent: tokens, page keys, L1 and/or L2 page indices, the locks and
-    pins that keep it from eviction, and the usage eviction policies order by (``last_access``,
-    ``hit_count``, ``priority``). Roots hold no pages and are always locked."""
-
-    __slots__ = (
-        "children",
-        "device",
-        "hit_count",
-        "host",
-        "host_pin",
-        "key",
-        "last_access",
-        "load_handle",
-        "lock_ref",
-        "meta",
-        "page_keys",
-        "parent",
-        "priority",
-    )
-
-    def __init__(self, parent: TreeNode | None, key: bytes, page_keys: list[bytes]) -> None:
-        self.parent = parent
-        self.children: dict[bytes, TreeNode] = {}
-        self.key = key  # tokens of this node's pages, uint32 LE
-        self.page_keys = page_keys  # one chained key per page
-        self.device: np.ndarray | None = None  # L1 page indices (int64), or None
-        self.host: np.ndarray | None = None  # L2 page indices (int64), or None
-        self.lock_ref = 0  # device locks: protects L1 pages of this node and its ancestors
-        self.host_pin = 0  # host pins: protects L2 pages from L2 eviction
-        self.hit_count = 0
-        self.last_access = 0
-        self.priority = 0
-        self.load_handle: Any = None  # pending L2->L1 load writing this node's device pages
-        self.meta: Any = None  # owned by a stateful eviction policy (hicache.eviction.EvictionPolicy)
-
-    @property
-    def n_pages(self) -> int:
-        """Pages in this node's run (0 for a root)."""
-        return len(self.page_keys)
-
-    def __repr__(self) -> str:
-        return (
-            f"TreeNode(pages={self.n_pages}, l1={self.device is not None}, l2={self.host is not None}, "
-            f"lock={self.lock_ref}, pin={self.host_pin}, hits={self.hit_count})"
-        )
+__all__ = ["EMPTY", "InsertResult", "RadixTree", "TreeEvent", "TreeMatch", "TreeNode"]
 
 
-class TreeMatch(NamedTuple):
-    """What :meth:`RadixTree.match` found: the L1 run from the root, then the L2 run continuing it."""
-
-    node: TreeNode | None  # deepest matched node (L1 or L2); None when nothing matched
-    l1_node: TreeNode | None  # deepest node of the L1 run; None when L1 matched nothing
-    device_indices: np.ndarray  # L1 page indices of the matched L1 prefix, in order
-    host_indices: np.ndarray  # L2 page indices of the pages continuing it on L2, in order
-    host_nodes: list[TreeNode]  # nodes of that L2 continuation, root side first
-    pending: list[Any]  # load handles to wait on before reading the L1 pages
-
-    @property
-    def l1_pages(self) -> int:
-        """Pages of the matched L1 prefix."""
-        return len(self.device_indices)
-
-    @property
-    def l2_pages(self) -> int:
-        """Pages continuing the L1 prefix on L2."""
-        return len(self.host_indices)
-
-
-class TreeEvent(NamedTuple):
-    """What a listener (``RadixTree.listeners``) is told when a run of pages changes tiers.
-
-    Emitted under the caller's tree lock, in order; listeners must be quick and must not call back
-    into the tree.
-    """
-
-    kind: str  # "stored" (entered the tree) | "tier" (gained or lost a tier) | "removed" (left the tree)
-    ns: bytes  # namespace digest of the run's root
-    parent_key: bytes  # page key just before the run (b"" when the run starts at the root)
-    page_keys: tuple[bytes, ...]  # one key per page of the run
-    tokens: bytes  # the run's tokens, uint32 LE
-    on_device: bool  # on L1 after the change
-    on_host: bool  # on L2 after the change
-
-
-class InsertResult(NamedTuple):
-    """What :meth:`RadixTree.insert` did, per page of the inserted tokens."""
-
-    node: TreeNode  # node ending at the last inserted page
-    reused: np.ndarray  # bool per page: True where the tree already held the page on that tier
-    new_pages: int  # pages now held on that tier that were not before
-
-
-class RadixTree:
+class RadixTree(TreeEviction):
     """Page-aligned radix tree with one root per namespace digest."""
 
     def __init__(self, page_size: int, policy: str = "lru") -> None:
@@ -310,6 +220,7 @@ class RadixTree:
             node = leaf
         return InsertResult(node, reused, new_pages)
 
+    # ------------------------------------------------------------------ tiers and events
     def event(self, kind: str, node: TreeNode) -> TreeEvent:
         """The :class:`TreeEvent` describing ``node`` now (``node`` must still hang from its root)."""
         root = node
@@ -355,6 +266,15 @@ class RadixTree:
         self._set_tier(node, True, np.asarray(device, dtype=np.int64))
         node.load_handle = load_handle
 
+    def drop_host(self, node: TreeNode) -> np.ndarray:
+        """Forget the L2 copy of an L1 node (e.g. an L2 page found damaged); returns its L2 pages."""
+        if node.host is None or node.device is None or node.host_pin:
+            raise ValueError("drop_host: node must be on L1 and L2 and not pinned")
+        host, node.host = node.host, None
+        self.host_pages -= node.n_pages
+        self._emit("tier", node)
+        return host
+
     # ------------------------------------------------------------------ locks
     def lock(self, node: TreeNode | None) -> None:
         """Protect ``node`` and its ancestors from L1 eviction (they must be on L1)."""
@@ -391,7 +311,7 @@ class RadixTree:
             node.host_pin -= 1
             node = node.parent
 
-    # ------------------------------------------------------------------ eviction
+    # ------------------------------------------------------------------ walks
     def nodes(self, ns: bytes | None = None) -> Iterator[TreeNode]:
         """Every non-root node of every namespace (or of namespace digest ``ns`` only), each after its parent."""
         if ns is None:
@@ -412,175 +332,6 @@ class RadixTree:
             l1 += node.n_pages if node.device is not None else 0
             l2 += node.n_pages if node.host is not None else 0
         return l1, l2
-
-    def _l1_evictable(self, node: TreeNode) -> bool:
-        return (
-            node.parent is not None
-            and node.device is not None
-            and node.lock_ref == 0
-            and not any(c.device is not None for c in node.children.values())
-        )
-
-    def _candidates(self, evictable: Callable[[TreeNode], bool], on_device: bool,
-                    caps: Mapping[bytes, int] | None, only: Collection[bytes] | None = None
-                    ) -> tuple[list[tuple[Any, ...]], dict[bytes, int]]:
-        """The eviction heap over every ``evictable`` node (of the namespace digests ``only``, when given), and
-        per namespace with a cap in ``caps`` the pages it holds on the tier beyond that cap. Entries are
-        ``(first, policy key, id, node, ns)``: ``first`` is 0 for a namespace over its cap (its pages go
-        first), else 1."""
-        heap: list[tuple[Any, ...]] = []
-        over: dict[bytes, int] = {}
-        for ns in self.roots:
-            if only is not None and ns not in only:
-                continue
-            cap = caps.get(ns) if caps else None
-            held = 0
-            found = []
-            for node in self.nodes(ns):
-                if cap is not None and (node.device if on_device else node.host) is not None:
-                    held += node.n_pages
-                if evictable(node):
-                    found.append(node)
-            if cap is not None and held > cap:
-                over[ns] = held - cap
-            first = 0 if ns in over else 1
-            heap.extend((first, self._policy(n), id(n), n, ns) for n in found)
-        heapq.heapify(heap)
-        return heap, over
-
-    def _next_victim(self, heap: list[tuple[Any, ...]], over: dict[bytes, int],
-                     evictable: Callable[[TreeNode], bool]) -> tuple[TreeNode, bytes] | None:
-        """Pop the next node to evict: still evictable, and ranked first only while its namespace is still
-        over its cap (one that came back under it is ranked again with the rest)."""
-        while heap:
-            first, _, _, node, ns = heapq.heappop(heap)
-            if not evictable(node):
-                continue
-            if first == 0 and over.get(ns, 0) <= 0:
-                heapq.heappush(heap, (1, self._policy(node), id(node), node, ns))
-                continue
-            return node, ns
-        return None
-
-    @staticmethod
-    def _push(heap: list[tuple[Any, ...]], over: dict[bytes, int], key: Any, node: TreeNode, ns: bytes) -> None:
-        heapq.heappush(heap, (0 if over.get(ns, 0) > 0 else 1, key, id(node), node, ns))
-
-    def evict_device(self, n_pages: int, backup: Callable[[TreeNode], bool],
-                     caps: Mapping[bytes, int] | None = None, only: Collection[bytes] | None = None
-                     ) -> list[np.ndarray]:
-        """Free at least ``n_pages`` L1 pages (fewer if not enough are evictable), policy order.
-
-        ``caps``: L1 pages per namespace digest (a tenant's share). A namespace holding more than its cap
-        loses pages first, in policy order among them, until it is back at its cap; then every namespace's
-        pages are evicted together in policy order. Without caps: policy order over all. ``only``: evict
-        pages of these namespace digests alone (a tenant's Clear).
-
-        Candidates are unlocked L1 nodes with no L1 child. A candidate already on L2 is downgraded to
-        host-only. One that is not is first offered to ``backup(node)`` (write-back); if that gives it
-        L2 pages it is downgraded, else it is dropped when it is a leaf and skipped when it has
-        (L2-only) children. A node whose L2 -> L1 load (``load_handle``) has not landed yet is waited
-        for first, so a freed page is never still being written. Returns the freed L1 page arrays; the
-        caller returns them to the pool.
-        """
-        heap, over = self._candidates(self._l1_evictable, True, caps, only)
-        freed: list[np.ndarray] = []
-        count = 0
-        while count < n_pages:
-            victim = self._next_victim(heap, over, self._l1_evictable)
-            if victim is None:
-                break
-            node, ns = victim
-            if node.host is None:
-                backup(node)
-            if node.host is None and node.children:
-                continue
-            assert node.device is not None
-            if node.load_handle is not None and not node.load_handle.done():
-                # An L2 -> L1 load may still be writing these pages: unlocked pages can still be
-                # loading when the request that loaded them was released before the load landed. Let
-                # it land before the pages go back to the pool, or the copy would overwrite what
-                # their next owner writes there. A load that failed writes nothing more either (its
-                # error is its requester's to see): the pages are dropped all the same.
-                with contextlib.suppress(Exception):
-                    node.load_handle.wait()
-            freed.append(node.device)
-            count += node.n_pages
-            if ns in over:
-                over[ns] -= node.n_pages
-            self.device_pages -= node.n_pages
-            node.device = None
-            node.load_handle = None
-            if node.host is not None:
-                self._emit("tier", node)
-            parent = node.parent
-            if node.host is None:
-                self._remove(node)
-            assert parent is not None
-            if self._l1_evictable(parent):
-                self._push(heap, over, self._policy(parent), parent, ns)
-        return freed
-
-    def _l2_evictable(self, node: TreeNode) -> bool:
-        return (
-            node.parent is not None
-            and not node.children
-            and node.device is None
-            and node.host is not None
-            and node.host_pin == 0
-        )
-
-    def evict_host(self, n_pages: int, caps: Mapping[bytes, int] | None = None,
-                   only: Collection[bytes] | None = None) -> list[np.ndarray]:
-        """Free at least ``n_pages`` L2 pages from leaves that are not on L1 and not pinned.
-
-        The nodes are removed from the tree (L3, if any, still has them). ``caps``: L2 pages per namespace
-        digest, and ``only``, as for :meth:`evict_device`. Returns the freed L2 arrays.
-        """
-        heap, over = self._candidates(self._l2_evictable, False, caps, only)
-        freed: list[np.ndarray] = []
-        count = 0
-        while count < n_pages:
-            victim = self._next_victim(heap, over, self._l2_evictable)
-            if victim is None:
-                break
-            node, ns = victim
-            assert node.host is not None
-            freed.append(node.host)
-            count += node.n_pages
-            if ns in over:
-                over[ns] -= node.n_pages
-            parent = node.parent
-            self._remove(node)
-            if parent is not None and self._l2_evictable(parent):
-                self._push(heap, over, self._policy(parent), parent, ns)
-        return freed
-
-    def _remove(self, node: TreeNode) -> None:
-        """Detach a leaf; its L2 pages (if any) are accounted as freed by the caller."""
-        assert not node.children and node.device is None and node.parent is not None
-        if node.host is not None:
-            self.host_pages -= node.n_pages
-            node.host = None
-        self._emit("removed", node)
-        if self._observe:
-            self.policy.on_remove(node)
-        parent = node.parent
-        del parent.children[node.key[: self.stride]]
-        node.parent = None
-        if parent.parent is None and not parent.children:
-            for ns, root in list(self.roots.items()):
-                if root is parent:
-                    del self.roots[ns]
-
-    def drop_host(self, node: TreeNode) -> np.ndarray:
-        """Forget the L2 copy of an L1 node (e.g. an L2 page found damaged); returns its L2 pages."""
-        if node.host is None or node.device is None or node.host_pin:
-            raise ValueError("drop_host: node must be on L1 and L2 and not pinned")
-        host, node.host = node.host, None
-        self.host_pages -= node.n_pages
-        self._emit("tier", node)
-        return host
 
     # ------------------------------------------------------------------ integrity
     def check_invariants(self) -> None:

@@ -42,7 +42,7 @@ from hicache.accounting import L3_UNSERVED_REASONS as UNSERVED_REASONS
 from hicache.cache import CacheFullError, HiCache, Request
 from hicache.config import config_from_dict
 from hicache.pool import HostPool
-from hicache.radix import TreeNode
+from hicache.radix_types import TreeNode
 from hicache.storage.redis_local import LocalRedis, redis_server_binary
 
 PS = 4  # tokens per page

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from hicache.eviction.base import register_policy
 
 if TYPE_CHECKING:
-    from hicache.radix import TreeNode
+    from hicache.radix_types import TreeNode
 
 
 @register_policy("lru")

@@ -20,7 +20,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
-from hicache.radix import TreeEvent
+from hicache.radix_types import TreeEvent
 
 SNAPSHOT_RUNS_PER_MESSAGE = 512
 _KINDS = {"stored": pb.Event.STORED, "removed": pb.Event.REMOVED, "tier": pb.Event.TIER_CHANGED}

@@ -12,7 +12,7 @@ from hicache.client.types import Event, PageRun
 from hicache.config import HiCacheConfig, config_from_dict
 from hicache.keys import Namespace, page_keys
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
-from hicache.radix import TreeEvent
+from hicache.radix_types import TreeEvent
 from hicache.router.config import NodeSpec, RouterConfig
 from hicache.service.events import page_run
 

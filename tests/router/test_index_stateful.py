@@ -36,7 +36,7 @@ from router_helpers import PS, node_config, router_config, tokens
 from hicache.client.types import Event
 from hicache.keys import page_keys
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
-from hicache.radix import TreeEvent
+from hicache.radix_types import TreeEvent
 from hicache.router.core import Router
 from hicache.router.index import L1, L2, Applied, PrefixMatch
 from hicache.service.events import page_run
