@@ -6,6 +6,10 @@ Load it with :func:`load_config` from YAML (sections ``model``, ``layout``, ``ca
 :class:`ConfigError` naming the field and what is allowed; when the value came from an environment variable,
 the message starts with that variable (``HICACHE_CACHE__L1_TOKENS=abc: cache.l1_tokens: must be an
 integer, got 'abc'``), since the variable, not a file, is what the operator has to fix.
+
+This module holds the sections (dataclasses), :func:`config_from_dict` and :func:`load_config`; the
+machinery they load with (text to field types, environment overrides and whom an error is blamed on,
+merging, reading the file, and :class:`ConfigError` itself) is :mod:`hicache.config_load`'s.
 """
 
 from __future__ import annotations
@@ -13,16 +17,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
-import types
-import typing
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from hicache.config_load import (
+    ConfigError,
+    blame_env,
+    build_section,
+    env_overrides,
+    merge,
+    read_config_file,
+    require,
+)
 from hicache.eviction import policy_names
 from hicache.keys import Namespace
 from hicache.layout import DTYPES, HOST_LAYOUTS, KVLayout
@@ -45,19 +53,6 @@ BLOCK_STAGINGS = ("mirror", "lc_major")
 TRANSFER_CHOICE_OPTIONS = {"layer_signal": LAYER_SIGNALS, "staged_kernel": STAGED_KERNELS,
                            "block_staging": BLOCK_STAGINGS}
 TRANSFER_OPTIONS = (*TRANSFER_INT_OPTIONS, *TRANSFER_CHOICE_OPTIONS)
-ENV_PREFIX = "HICACHE_"
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field.
-
-    ``field`` is the dotted name the error is about (``cache.l1_tokens``, ``cache.transfer_options.blocks``,
-    or a section such as ``cache``). Messages start with it, so when it is not given it is read from there.
-    """
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field if field is not None else message.partition(":")[0].strip()
 
 
 def token_problem(token: str) -> str | None:
@@ -67,11 +62,6 @@ def token_problem(token: str) -> str | None:
         return None
     return ("must be visible ASCII: no spaces, control characters (a trailing newline from a file?) or "
             "non-ASCII characters")
-
-
-def _require(cond: bool, fieldname: str, allowed: str, value: Any) -> None:
-    if not cond:
-        raise ConfigError(f"{fieldname}: must be {allowed}, got {value!r}", fieldname)
 
 
 @dataclass
@@ -86,9 +76,9 @@ class ModelConfig:
     tp_size: int = 1
 
     def __post_init__(self) -> None:
-        _require(bool(self.name), "model.name", "a non-empty string", self.name)
-        _require(self.tp_size >= 1, "model.tp_size", ">= 1", self.tp_size)
-        _require(0 <= self.tp_rank < self.tp_size, "model.tp_rank", f"in [0, {self.tp_size})", self.tp_rank)
+        require(bool(self.name), "model.name", "a non-empty string", self.name)
+        require(self.tp_size >= 1, "model.tp_size", ">= 1", self.tp_size)
+        require(0 <= self.tp_rank < self.tp_size, "model.tp_rank", f"in [0, {self.tp_size})", self.tp_rank)
 
 
 @dataclass
@@ -106,10 +96,10 @@ class LayoutConfig:
     def __post_init__(self) -> None:
         for f in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
             v = getattr(self, f)
-            _require(isinstance(v, int) and v >= 1, f"layout.{f}", "an integer >= 1", v)
-        _require(self.dtype in DTYPES, "layout.dtype", f"one of {sorted(DTYPES)}", self.dtype)
-        _require(self.attention in ("mha", "mla"), "layout.attention", "'mha' or 'mla'", self.attention)
-        _require(self.attention != "mla" or self.num_kv_heads == 1, "layout.num_kv_heads", "1 for MLA",
+            require(isinstance(v, int) and v >= 1, f"layout.{f}", "an integer >= 1", v)
+        require(self.dtype in DTYPES, "layout.dtype", f"one of {sorted(DTYPES)}", self.dtype)
+        require(self.attention in ("mha", "mla"), "layout.attention", "'mha' or 'mla'", self.attention)
+        require(self.attention != "mla" or self.num_kv_heads == 1, "layout.num_kv_heads", "1 for MLA",
                  self.num_kv_heads)
 
     def to_layout(self) -> KVLayout:
@@ -143,36 +133,36 @@ class CacheConfig:
     tenant_shares: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _require(self.l1_tokens >= 1, "cache.l1_tokens", ">= 1", self.l1_tokens)
-        _require(self.l2_tokens >= 0, "cache.l2_tokens", ">= 0", self.l2_tokens)
-        _require(self.host_layout in HOST_LAYOUTS, "cache.host_layout", f"one of {HOST_LAYOUTS}",
+        require(self.l1_tokens >= 1, "cache.l1_tokens", ">= 1", self.l1_tokens)
+        require(self.l2_tokens >= 0, "cache.l2_tokens", ">= 0", self.l2_tokens)
+        require(self.host_layout in HOST_LAYOUTS, "cache.host_layout", f"one of {HOST_LAYOUTS}",
                  self.host_layout)
-        _require(self.host_block_pages >= 0, "cache.host_block_pages", ">= 0", self.host_block_pages)
-        _require(self.write_policy in WRITE_POLICIES, "cache.write_policy", f"one of {WRITE_POLICIES}",
+        require(self.host_block_pages >= 0, "cache.host_block_pages", ">= 0", self.host_block_pages)
+        require(self.write_policy in WRITE_POLICIES, "cache.write_policy", f"one of {WRITE_POLICIES}",
                  self.write_policy)
         names = policy_names()
-        _require(self.eviction_policy in names, "cache.eviction_policy", f"one of {names}", self.eviction_policy)
-        _require(self.io_backend in IO_BACKENDS, "cache.io_backend", f"one of {IO_BACKENDS}", self.io_backend)
-        _require(0 <= self.max_pinned_fraction <= 1, "cache.max_pinned_fraction", "in [0, 1]",
+        require(self.eviction_policy in names, "cache.eviction_policy", f"one of {names}", self.eviction_policy)
+        require(self.io_backend in IO_BACKENDS, "cache.io_backend", f"one of {IO_BACKENDS}", self.io_backend)
+        require(0 <= self.max_pinned_fraction <= 1, "cache.max_pinned_fraction", "in [0, 1]",
                  self.max_pinned_fraction)
         for key, value in self.transfer_options.items():
             where = f"cache.transfer_options.{key}"
-            _require(key in TRANSFER_OPTIONS, "cache.transfer_options", f"keys among {list(TRANSFER_OPTIONS)}", key)
+            require(key in TRANSFER_OPTIONS, "cache.transfer_options", f"keys among {list(TRANSFER_OPTIONS)}", key)
             if key in TRANSFER_CHOICE_OPTIONS:
                 choices = TRANSFER_CHOICE_OPTIONS[key]
-                _require(value in choices, where, f"one of {choices}", value)
+                require(value in choices, where, f"one of {choices}", value)
             else:
                 low = TRANSFER_INT_OPTIONS[key]
-                _require(isinstance(value, int) and not isinstance(value, bool) and value >= low, where,
+                require(isinstance(value, int) and not isinstance(value, bool) and value >= low, where,
                          f"an integer >= {low}", value)
-        _require(isinstance(self.tenant_shares, dict), "cache.tenant_shares", "a mapping of tenant -> share",
+        require(isinstance(self.tenant_shares, dict), "cache.tenant_shares", "a mapping of tenant -> share",
                  self.tenant_shares)
         for tenant, share in self.tenant_shares.items():
-            _require(isinstance(tenant, str), "cache.tenant_shares", "tenant names (strings) as keys", tenant)
+            require(isinstance(tenant, str), "cache.tenant_shares", "tenant names (strings) as keys", tenant)
             shown = tenant if tenant else '""'
-            _require(isinstance(share, int | float) and not isinstance(share, bool) and 0 < share <= 1,
+            require(isinstance(share, int | float) and not isinstance(share, bool) and 0 < share <= 1,
                      f"cache.tenant_shares.{shown}", "a number in (0, 1]", share)
-        _require(self.device == "cpu" or self.device.startswith("cuda"), "cache.device",
+        require(self.device == "cpu" or self.device.startswith("cuda"), "cache.device",
                  "'cpu' or 'cuda[:N]'", self.device)
 
 
@@ -198,22 +188,22 @@ class StorageConfig:
     options: dict[str, Any] = field(default_factory=dict)  # backend-specific (timeouts, TTL, prefix...)
 
     def __post_init__(self) -> None:
-        _require(self.prefetch_policy in PREFETCH_POLICIES, "storage.prefetch_policy",
+        require(self.prefetch_policy in PREFETCH_POLICIES, "storage.prefetch_policy",
                  f"one of {PREFETCH_POLICIES}", self.prefetch_policy)
-        _require(self.prefetch_threshold_tokens >= 0, "storage.prefetch_threshold_tokens", ">= 0",
+        require(self.prefetch_threshold_tokens >= 0, "storage.prefetch_threshold_tokens", ">= 0",
                  self.prefetch_threshold_tokens)
         for f in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s", "prefetch_timeout_max_s"):
-            _require(getattr(self, f) >= 0, f"storage.{f}", ">= 0", getattr(self, f))
-        _require(self.prefetch_max_inflight_bytes > 0, "storage.prefetch_max_inflight_bytes", "> 0",
+            require(getattr(self, f) >= 0, f"storage.{f}", ">= 0", getattr(self, f))
+        require(self.prefetch_max_inflight_bytes > 0, "storage.prefetch_max_inflight_bytes", "> 0",
                  self.prefetch_max_inflight_bytes)
-        _require(self.io_batch_pages >= 1, "storage.io_batch_pages", ">= 1", self.io_batch_pages)
-        _require(self.writeback_queue_pages >= 1, "storage.writeback_queue_pages", ">= 1",
+        require(self.io_batch_pages >= 1, "storage.io_batch_pages", ">= 1", self.io_batch_pages)
+        require(self.writeback_queue_pages >= 1, "storage.writeback_queue_pages", ">= 1",
                  self.writeback_queue_pages)
-        _require(self.writeback_when_full in ("block", "drop"), "storage.writeback_when_full",
+        require(self.writeback_when_full in ("block", "drop"), "storage.writeback_when_full",
                  "'block' or 'drop'", self.writeback_when_full)
-        _require(self.compression in codec_names(), "storage.compression", f"one of {codec_names()}",
+        require(self.compression in codec_names(), "storage.compression", f"one of {codec_names()}",
                  self.compression)
-        _require(LEVELS[0] <= self.compression_level <= LEVELS[1], "storage.compression_level",
+        require(LEVELS[0] <= self.compression_level <= LEVELS[1], "storage.compression_level",
                  f"in [{LEVELS[0]}, {LEVELS[1]}] (0: the codec's default)", self.compression_level)
 
     def prefetch_timeout(self, tokens: int) -> float:
@@ -246,25 +236,25 @@ class ServeConfig:
     shared_pool: bool = True  # share the L1 pool with clients on this host (shm on CPU, CUDA IPC on GPU)
 
     def __post_init__(self) -> None:
-        _require(0 <= self.port < 65536, "serve.port", "in [0, 65535]", self.port)
-        _require(0 <= self.metrics_port < 65536, "serve.metrics_port", "in [0, 65535]", self.metrics_port)
-        _require(self.max_concurrency >= 1, "serve.max_concurrency", ">= 1", self.max_concurrency)
-        _require(math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0, "serve.shutdown_grace_s",
+        require(0 <= self.port < 65536, "serve.port", "in [0, 65535]", self.port)
+        require(0 <= self.metrics_port < 65536, "serve.metrics_port", "in [0, 65535]", self.metrics_port)
+        require(self.max_concurrency >= 1, "serve.max_concurrency", ">= 1", self.max_concurrency)
+        require(math.isfinite(self.shutdown_grace_s) and self.shutdown_grace_s >= 0, "serve.shutdown_grace_s",
                  "a number >= 0", self.shutdown_grace_s)
-        _require(self.max_message_bytes >= 1 << 20, "serve.max_message_bytes", ">= 1 MiB", self.max_message_bytes)
-        _require(self.max_request_tokens >= 1, "serve.max_request_tokens", ">= 1", self.max_request_tokens)
+        require(self.max_message_bytes >= 1 << 20, "serve.max_message_bytes", ">= 1 MiB", self.max_message_bytes)
+        require(self.max_request_tokens >= 1, "serve.max_request_tokens", ">= 1", self.max_request_tokens)
         for name in ("auth_token", "metrics_token"):
             why = token_problem(getattr(self, name))
             if why is not None:  # no client could send it: every call would be refused
                 raise ConfigError(f"serve.{name}: {why}", f"serve.{name}")
-        _require(bool(self.metrics_host), "serve.metrics_host", "an address to bind /metrics on",
+        require(bool(self.metrics_host), "serve.metrics_host", "an address to bind /metrics on",
                  self.metrics_host)
-        _require(bool(self.tls_cert) == bool(self.tls_key), "serve.tls_key", "set together with serve.tls_cert",
+        require(bool(self.tls_cert) == bool(self.tls_key), "serve.tls_key", "set together with serve.tls_cert",
                  self.tls_key)
-        _require(not self.metrics_tls or bool(self.tls_cert), "serve.metrics_tls",
+        require(not self.metrics_tls or bool(self.tls_cert), "serve.metrics_tls",
                  "set only with serve.tls_cert and serve.tls_key (the certificate it serves)", self.metrics_tls)
         # mTLS without TLS would serve plaintext while the operator believes clients are checked
-        _require(not self.tls_client_ca or bool(self.tls_cert), "serve.tls_client_ca",
+        require(not self.tls_client_ca or bool(self.tls_cert), "serve.tls_client_ca",
                  "set only with serve.tls_cert and serve.tls_key (mTLS needs TLS)", self.tls_client_ca)
 
 
@@ -281,7 +271,7 @@ class HiCacheConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
 
     def __post_init__(self) -> None:
-        _require(self.cache.l1_tokens >= self.layout.page_size, "cache.l1_tokens",
+        require(self.cache.l1_tokens >= self.layout.page_size, "cache.l1_tokens",
                  f">= layout.page_size ({self.layout.page_size})", self.cache.l1_tokens)
 
     @property
@@ -314,71 +304,6 @@ _SECTIONS: dict[str, type] = {
 }
 
 
-def _coerce(section: str, name: str, tp: Any, value: Any) -> Any:
-    """Convert YAML / env text to the field's type, or raise ConfigError naming the field."""
-    where = f"{section}.{name}"
-    origin = typing.get_origin(tp)
-    if origin in (dict, Mapping) or tp is dict:
-        # text naming a credential (storage.options: {sentinel_password: ...}) is not quoted back
-        secret = isinstance(value, str) and _SECRET.search(value) is not None
-        if isinstance(value, str):
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError as e:
-                problem = getattr(e, "problem", None) or type(e).__name__
-                raise ConfigError(f"{where}: must be a mapping, got {'<hidden>' if secret else value!r} "
-                                  f"(not valid YAML: {problem})",
-                                  where) from None
-        _require(isinstance(value, dict), where, "a mapping", "<hidden>" if secret else value)
-        return dict(value)
-    if isinstance(origin, type) and issubclass(origin, types.UnionType):  # pragma: no cover
-        return value
-    if tp is bool:
-        if isinstance(value, str):
-            low = value.strip().lower()
-            _require(low in ("1", "0", "true", "false", "yes", "no", "on", "off"), where, "a boolean", value)
-            return low in ("1", "true", "yes", "on")
-        _require(isinstance(value, bool), where, "a boolean", value)
-        return value
-    if tp is int:
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""), 0)
-            except ValueError:
-                raise ConfigError(f"{where}: must be an integer, got {value!r}") from None
-        _require(isinstance(value, int) and not isinstance(value, bool), where, "an integer", value)
-        return value
-    if tp is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise ConfigError(f"{where}: must be a number, got {value!r}") from None
-        _require(isinstance(value, int | float) and not isinstance(value, bool), where, "a number", value)
-        return float(value)
-    if tp is str:
-        _require(isinstance(value, str), where, "a string", value)
-        return value
-    return value
-
-
-def _build_section(section: str, values: Mapping[str, Any]) -> Any:
-    cls = _SECTIONS[section]
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for name, value in values.items():
-        if name not in known:
-            raise ConfigError(f"{section}.{name}: unknown field; known: {sorted(known)}")
-        kwargs[name] = _coerce(section, name, hints[name], value)
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{section}: {e}") from e
-
-
 def config_from_dict(data: Mapping[str, Any]) -> HiCacheConfig:
     """Sections of plain values -> :class:`HiCacheConfig`; :class:`ConfigError` for an unknown section or
     field, or a value a section refuses."""
@@ -390,112 +315,8 @@ def config_from_dict(data: Mapping[str, Any]) -> HiCacheConfig:
         raw = data.get(s) or {}
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{s}: must be a mapping, got {type(raw).__name__}")
-        sections[s] = _build_section(s, raw)
+        sections[s] = build_section(_SECTIONS[s], s, raw)
     return HiCacheConfig(**sections)
-
-
-def env_overrides(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
-    """``HICACHE_CACHE__L1_TOKENS=4096`` -> ``{"cache": {"l1_tokens": "4096"}}``."""
-    out: dict[str, dict[str, str]] = {}
-    for k, v in env.items():
-        if not k.startswith(ENV_PREFIX) or "__" not in k:
-            continue
-        section, _, name = k[len(ENV_PREFIX):].partition("__")
-        out.setdefault(section.lower(), {})[name.lower()] = v
-    return out
-
-
-def env_sources(env: Mapping[str, str]) -> dict[str, str]:
-    """Which environment variable set each field: ``{"cache.l1_tokens": "HICACHE_CACHE__L1_TOKENS"}``
-    (the keys as :func:`env_overrides` reads them: lower case, ``section.field``)."""
-    out: dict[str, str] = {}
-    for k in env:
-        if k.startswith(ENV_PREFIX) and "__" in k:
-            section, _, name = k[len(ENV_PREFIX):].partition("__")
-            out[f"{section.lower()}.{name.lower()}"] = k
-    return out
-
-
-# a credential, in a variable's name (a misspelt one too: AUTHTOKEN) or in its value (a mapping with a
-# password key); "tokens" (counts of tokens: l1_tokens) is not one
-_SECRET = re.compile(r"token(?!s)|passw|secret|credential", re.IGNORECASE)
-_URL_USERINFO = re.compile(r"(://)[^/\s]*@")  # scheme://user:password@host
-
-
-def _shown(value: str, limit: int = 80) -> str:
-    """An environment value as an error message quotes it: as is when short and printable (one line),
-    else its ``repr``, cut to ``limit`` characters."""
-    if value.isprintable() and value.strip() == value and value and len(value) <= limit:
-        return value
-    r = repr(value)
-    return r if len(r) <= limit else r[: limit - 4] + "...'"
-
-
-def blame_env(error: ConfigError, env: Mapping[str, str], overrides: Mapping[str, Mapping[str, Any]] | None = None,
-              file_sections: Collection[str] = ()) -> ConfigError:
-    """``error`` prefixed with ``VAR=value: `` when what it is about came from the environment variable
-    ``VAR``; otherwise ``error`` itself.
-
-    A field's own error (``cache.l1_tokens``) or one inside it (``cache.transfer_options.blocks``) is
-    blamed on the variable that set the field, unless an explicit override (a flag) replaced it. A
-    section's error (an unknown section ``cachex``) is blamed on the first variable naming that section,
-    unless the config file (``file_sections``) or an override names the section too. A value that may
-    hold a credential is not repeated: one whose variable or text names a token, password or secret
-    (``<hidden>``), and the ``user:password@`` of a URL (``<hidden>@``), so a misspelt
-    ``HICACHE_STORAGE__URI=redis://:pw@host`` does not print the password.
-    """
-    field = error.field
-    overrides = overrides or {}
-    sources = env_sources(env)
-    var = None
-    if "." in field:
-        for key, name in sources.items():
-            section, _, fname = key.partition(".")
-            if (field == key or field.startswith(key + ".")) and fname not in overrides.get(section, {}):
-                var = name
-                break
-    elif field not in file_sections and field not in overrides:
-        var = next((name for key, name in sources.items() if key.partition(".")[0] == field), None)
-    if var is None:
-        return error
-    value = env[var]
-    secret = _SECRET.search(var[len(ENV_PREFIX):]) or _SECRET.search(value)
-    shown = "<hidden>" if secret else _shown(_URL_USERINFO.sub(r"\1<hidden>@", value))
-    return ConfigError(f"{var}={shown}: {error}", error.field)
-
-
-def merge(base: Mapping[str, Any], *overlays: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """Sections of ``base`` with each overlay's fields laid over them, later overlays winning (a copy);
-    :class:`ConfigError` when a section of ``base`` is not a mapping."""
-    for k, v in base.items():
-        if v is not None and not isinstance(v, Mapping):
-            raise ConfigError(f"{k}: must be a mapping, got {type(v).__name__}")
-    out: dict[str, Any] = {k: dict(v or {}) for k, v in base.items()}
-    for ov in overlays:
-        for section, values in ov.items():
-            out.setdefault(section, {}).update(values)
-    return out
-
-
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The sections of a YAML config file; :class:`ConfigError` in one line naming the file (and the line and
-    column of a YAML syntax error) when it cannot be read, is not UTF-8 text, is not YAML or is not a mapping."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"config file {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path}: not UTF-8 text (byte {e.start})") from None
-    try:
-        loaded = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        problem = getattr(e, "problem", None) or type(e).__name__
-        raise ConfigError(f"config file {where}: not valid YAML ({problem})") from None
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"config file {path}: top level must be a mapping of sections")
-    return loaded
 
 
 def load_config(

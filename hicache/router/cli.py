@@ -30,7 +30,8 @@ import sys
 from typing import Any
 
 from hicache.cli import HelpFormatter
-from hicache.config import ConfigError, blame_env
+from hicache.config import ConfigError
+from hicache.config_load import blame_env
 from hicache.router.config import INDEX_MODES, check_nodes, load_router_config, parse_node
 from hicache.router.scoring import policy_names
 from hicache.service.preflight import check_host, check_pem_file, check_tls

@@ -30,17 +30,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from hicache.client.address import PORT_RANGE, AddressError, normalize_address
-from hicache.config import (
-    ConfigError,
-    HiCacheConfig,
-    _coerce,
-    blame_env,
-    config_from_dict,
-    env_overrides,
-    merge,
-    read_config_file,
-    token_problem,
-)
+from hicache.config import ConfigError, HiCacheConfig, config_from_dict, token_problem
+from hicache.config_load import blame_env, coerce, env_overrides, merge, read_config_file
 from hicache.router.scoring import ScoringParams, policy_names
 
 INDEX_MODES = ("events", "approximate")
@@ -239,7 +230,7 @@ def router_config_from_dict(values: Mapping[str, Any]) -> RouterConfig:
     for name, value in values.items():
         if name not in known:
             raise ConfigError(f"router.{name}: unknown field; known: {sorted(known)}")
-        kwargs[name] = _nodes(value) if name == "nodes" else _coerce("router", name, hints[name], value)
+        kwargs[name] = _nodes(value) if name == "nodes" else coerce("router", name, hints[name], value)
     return RouterConfig(**kwargs)
 
 

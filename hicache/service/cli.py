@@ -19,7 +19,8 @@ import os
 from typing import Any
 
 from hicache.cli import HelpFormatter
-from hicache.config import ConfigError, HiCacheConfig, blame_env, env_sources, load_config, read_config_file
+from hicache.config import ConfigError, HiCacheConfig, load_config
+from hicache.config_load import blame_env, env_sources, read_config_file
 from hicache.service.preflight import check_device, check_host, check_memory, check_tls, size_tiers
 from hicache.service.requests import DEFAULT_REQUEST_TTL_S
 

@@ -16,7 +16,8 @@ kv = pytest.importorskip("kubernetes_validate")
 
 from helm_render import RELEASE, Rendered, container, container_env, pod_spec, render  # noqa: E402
 
-from hicache.config import HiCacheConfig, config_from_dict, env_overrides, merge  # noqa: E402
+from hicache.config import HiCacheConfig, config_from_dict  # noqa: E402
+from hicache.config_load import env_overrides, merge  # noqa: E402
 from hicache.router.config import RouterConfig, load_router_config  # noqa: E402
 
 TLS = {"enabled": True, "secretName": "hicache-tls"}

@@ -20,7 +20,8 @@ kv = pytest.importorskip("kubernetes_validate")
 
 from helm_render import CHART, NAMESPACE, RELEASE, Rendered, container, container_env, pod_spec, render  # noqa: E402
 
-from hicache.config import config_from_dict, env_overrides, merge  # noqa: E402
+from hicache.config import config_from_dict  # noqa: E402
+from hicache.config_load import env_overrides, merge  # noqa: E402
 
 OLDEST_KUBE = "1.27.0"  # Chart.yaml kubeVersion; native grpc probes are GA from 1.27
 

@@ -42,7 +42,8 @@ kv = pytest.importorskip("kubernetes_validate")
 from helm_render import CHART, Rendered, container, container_env, pod_spec, render  # noqa: E402
 
 import hicache.pool  # noqa: E402
-from hicache.config import HiCacheConfig, config_from_dict, env_overrides, merge  # noqa: E402
+from hicache.config import HiCacheConfig, config_from_dict  # noqa: E402
+from hicache.config_load import env_overrides, merge  # noqa: E402
 from hicache.layout import DTYPES, HOST_LAYOUTS  # noqa: E402
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
