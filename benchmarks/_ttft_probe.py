@@ -10,6 +10,9 @@ Used by ``e2e_rag.py``'s ``ttft16k`` workload:
   link's speed in the same run.
 * :func:`read_seconds`: the time to read every page file of a file store into memory with a thread pool
   of the store's width, its read rate in the same run (no checksum, no placement: the raw loop).
+* :func:`store_read_compare` (also ``python benchmarks/_ttft_probe.py``): the file store's verified
+  ``batch_get`` of llama-8b-sized pages (8 MiB) into a host pool (pinned where CUDA is) against that raw loop
+  over the same files, interleaved in one run: what the L3 hit's read costs beyond the store's raw rate.
 
 The bound of an L2 hit is the prefix's bytes at link speed plus the suffix's compute over a cached prefix
 (measured as an L1 hit of the same request shape); of an L3 hit, the prefix's bytes at the store's read
@@ -18,8 +21,12 @@ rate plus the same compute.
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import os
 import statistics
+import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -171,3 +178,82 @@ def read_seconds(root: str, threads: int = 0, reps: int = 3) -> tuple[float, int
             times.append(time.perf_counter() - t)
             assert got == sum(sizes), (got, sum(sizes))
     return statistics.median(times), sum(sizes), len(files)
+
+
+def store_read_compare(pages: int = 64, rounds: int = 11, batch: int = 128, threads: int = 0,
+                       root: str | None = None) -> dict[str, Any]:
+    """Median and best wall seconds, and median process CPU seconds, of reading ``pages`` llama-8b pages
+    (32 layers x K/V x 64 tokens x 8 heads x 128 dims, bfloat16: 8 MiB) from a local file store: its
+    ``batch_get`` in ``batch``-page calls (verified, into a host pool) and the raw loop of
+    :func:`read_seconds` over the same files, ``rounds`` times interleaved."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from hicache.layout import KVLayout
+    from hicache.pool import HostPool
+    from hicache.storage import StorageContext
+    from hicache.storage.file_backend import FileBackend
+
+    layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", page_size=64)
+    src, dst = HostPool(layout, pages), HostPool(layout, pages)
+    u8 = src.buffer.view(torch.uint8)
+    u8.copy_(torch.randint(0, 256, u8.shape, dtype=torch.uint8))
+    with tempfile.TemporaryDirectory(prefix="hicache-read-", dir=root) as d:
+        be = FileBackend(d, StorageContext(hashlib.sha256(b"probe").digest(), layout), io_threads=threads)
+        keys = [hashlib.sha256(b"%d" % i).digest() for i in range(pages)]
+        assert be.batch_set(keys, src, list(range(pages))) == pages
+        files = sorted(Path(d).rglob("*.page"))
+        bufs = [bytearray(f.stat().st_size) for f in files]
+
+        def raw() -> None:
+            def one(i: int) -> int:
+                with open(files[i], "rb", buffering=0) as fh:
+                    return fh.readinto(bufs[i]) or 0
+            assert sum(ex.map(one, range(len(files)))) == sum(map(len, bufs))
+
+        def get() -> None:
+            n = sum(be.batch_get(keys[lo:lo + batch], dst, list(range(lo, min(pages, lo + batch))))
+                    for lo in range(0, pages, batch))
+            assert n == pages, n
+
+        wall: dict[str, list[float]] = {"raw": [], "batch_get": []}
+        cpu: dict[str, list[float]] = {"raw": [], "batch_get": []}
+        with ThreadPoolExecutor(be._threads) as ex:
+            for _ in range(rounds):
+                for name, fn in (("raw", raw), ("batch_get", get)):
+                    c, t = time.process_time(), time.perf_counter()
+                    fn()
+                    wall[name].append(time.perf_counter() - t)
+                    cpu[name].append(time.process_time() - c)
+        assert torch.equal(dst.buffer.view(torch.uint8), u8)
+        threads = be._threads
+        be.close()
+    out: dict[str, Any] = {"pages": pages, "page_bytes": layout.bytes_per_page, "io_threads": threads,
+                           "batch": batch, "rounds": rounds, "pinned": dst.pinned}
+    for name in wall:
+        out[name] = {"median_s": statistics.median(wall[name]), "min_s": min(wall[name]),
+                     "cpu_median_s": statistics.median(cpu[name])}
+    out["ratio_median"] = out["batch_get"]["median_s"] / out["raw"]["median_s"]
+    out["ratio_min"] = out["batch_get"]["min_s"] / out["raw"]["min_s"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="file store: verified batch_get vs the raw read of the same files")
+    ap.add_argument("--pages", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--batch", type=int, default=128, help="pages per batch_get (storage.io_batch_pages)")
+    ap.add_argument("--threads", type=int, default=0, help="io_threads (0: the store's default)")
+    ap.add_argument("--root", default=None, help="directory for the store (default: the system's temp dir)")
+    a = ap.parse_args()
+    r = store_read_compare(a.pages, a.rounds, a.batch, a.threads, a.root)
+    nb = r["pages"] * r["page_bytes"]
+    print(f"{r['pages']} pages of {r['page_bytes'] / 2**20:.0f} MiB ({nb / 1e9:.2f} GB), {r['io_threads']} io threads, "
+          f"batch {r['batch']}, pool pinned: {r['pinned']}, {r['rounds']} interleaved rounds, {os.cpu_count()} cpus")
+    for name in ("raw", "batch_get"):
+        m = r[name]
+        print(f"  {name:9s} median {1e3 * m['median_s']:7.1f} ms ({nb / m['median_s'] / 1e9:6.2f} GB/s)  "
+              f"best {1e3 * m['min_s']:7.1f} ms  cpu {1e3 * m['cpu_median_s']:7.1f} ms")
+    print(f"  batch_get / raw: {r['ratio_median']:.2f}x (median), {r['ratio_min']:.2f}x (best)")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,7 +9,9 @@ bytes of the key in hex (``shard_levels`` directories of 256 entries each, so no
 Each file is one frame (:mod:`hicache.storage.frame`), verified on every read.
 
 Reads land straight in the host pages (page-first pools) and are verified there: only pages ``0..n-1``
-of a ``batch_get`` that returned ``n`` hold valid data.
+of a ``batch_get`` that returned ``n`` hold valid data. A local page is read in pieces of ``READ_CHUNK``
+(1 MiB), each fed to the page's checksum as soon as it lands, while it is still in the CPU's cache: the
+check costs no second pass over the page from memory.
 
 Atomic writes: a page is written to ``.<key hex>.<pid>.<random>.tmp`` in the same directory and renamed
 into place, so a reader sees the whole page or none of it, even when the writer dies between the write
@@ -67,6 +69,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
+import xxhash
 
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
@@ -76,9 +79,11 @@ from hicache.storage.frame import (
     NewerFormat,
     PageBuf,
     encode_header,
+    header_of,
     newer_format,
     page_len,
     page_parts,
+    payload_hasher,
     unpack_page,
 )
 from hicache.storage.pageio import PageBuffers, page_buffers
@@ -91,6 +96,10 @@ _OBJECT_STORES = ("s3", "gs")
 PAGE_SUFFIX = ".page"
 INLINE_PAGE_BYTES = 256 << 10  # local pages smaller than this are read/written on the caller's thread
 TMP_SUFFIX = ".tmp"
+# A local page is read in pieces of this size, each hashed as soon as it lands: still in the CPU's cache
+# (L2 / a share of L3). One read then one hash of a whole 8 MiB page read it from memory a second time for
+# the checksum (issue #40, one EPYC core, 8 MiB pages: +21% CPU over the read alone; in 1 MiB pieces, +11%).
+READ_CHUNK = 1 << 20
 Seen = tuple[int, bytes]  # a damaged file as read: its length and SHA1 (hex)
 
 
@@ -109,6 +118,32 @@ def _seen_reader(read: Callable[[int], bytes]) -> Seen:
         h.update(chunk)
         n += len(chunk)
     return n, h.hexdigest().encode()
+
+
+def _read_hashing(fd: int, header: bytearray, dst: PageBuf, hasher: xxhash.xxh3_128) -> int:
+    """Read ``fd`` from where it stands into ``header`` and then ``dst``'s pieces, in pieces of at most
+    :data:`READ_CHUNK` bytes, feeding each piece of the payload to ``hasher`` as it lands; returns the
+    payload bytes read (fewer than ``page_len(dst)``: the file ended early; what was read is hashed)."""
+    got = 0
+    lead: list[bytearray] = [header]  # (read with the first piece: one syscall for a small page)
+    for part in page_parts(dst):
+        view = memoryview(part)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        for off in range(0, len(view), READ_CHUNK):
+            piece = view[off:off + READ_CHUNK]
+            k = os.readv(fd, [*lead, piece])
+            if lead:
+                lead = []
+                k -= HEADER_BYTES
+                if k < 0:
+                    return 0
+            if k:
+                hasher.update(piece[:k])
+            got += k
+            if k < len(piece):
+                return got
+    return got
 
 
 @register_backend("file", "s3", "hdfs", "gs")
@@ -448,7 +483,10 @@ class FileBackend(StorageBackend):
                             seen[i] = _seen_reader(lambda k: os.read(fd, k))
                         return CORRUPT
                     header = bytearray(HEADER_BYTES)
-                    got = os.readv(fd, [header, *page_parts(dst)]) - HEADER_BYTES
+                    hasher = payload_hasher(ns, key)
+                    # each piece is hashed as it lands (still in the CPU's cache), not in a second pass
+                    got = _read_hashing(fd, header, dst, hasher)
+                    ok = got == self._page_bytes and header_of(hasher, ns, key, got) == header
                 finally:
                     os.close(fd)
             else:
@@ -463,7 +501,8 @@ class FileBackend(StorageBackend):
                         return CORRUPT
                     header = f.read(HEADER_BYTES)
                     got = sum(f.readinto(part) for part in page_parts(dst))
-            if got != self._page_bytes or encode_header(dst, ns, key) != header:
+                ok = got == self._page_bytes and encode_header(dst, ns, key) == header
+            if not ok:
                 if keep and got == self._page_bytes and not newer_format(header):  # (a short read: the file
                     # changed under us; a newer format: another release's page; both kept)
                     seen[i] = _seen(header, *page_parts(dst))

@@ -128,6 +128,22 @@ def encode_header(payload: PageBuf, ns: bytes, key: bytes) -> bytes:
     return _HEADER.pack(MAGIC, FRAME_VERSION, 0, ns32, key32, page_len(payload), _checksum(ns32, key32, payload))
 
 
+def payload_hasher(ns: bytes, key: bytes) -> xxhash.xxh3_128:
+    """The checksum of a version 2 frame of ``(ns, key)``, its payload still to be fed in order (``update``):
+    a reader hashes each piece of a page as it lands, while it is in the CPU's cache, not in a second pass
+    over the whole page. :func:`header_of` then gives the header to compare with the one read."""
+    h = xxhash.xxh3_128()
+    h.update(_pad32(ns))
+    h.update(_pad32(key))
+    return h
+
+
+def header_of(hasher: xxhash.xxh3_128, ns: bytes, key: bytes, length: int) -> bytes:
+    """The version 2 header of a ``length``-byte payload fed whole to ``hasher`` (:func:`payload_hasher`);
+    the same bytes as :func:`encode_header` of that payload."""
+    return _HEADER.pack(MAGIC, FRAME_VERSION, 0, _pad32(ns), _pad32(key), length, hasher.digest().ljust(32, b"\0"))
+
+
 def encode_frame(payload: PageBuf, ns: bytes, key: bytes) -> bytes:
     return encode_header(payload, ns, key) + b"".join(page_parts(payload))
 
