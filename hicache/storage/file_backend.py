@@ -6,12 +6,13 @@ URLs: ``file:///var/cache/hicache``, a plain path (``/var/cache/hicache``), ``s3
 
 Layout: one file per page, ``<root>/<k0>/<k1>/<key hex>.page`` where ``k0``/``k1`` are the first two
 bytes of the key in hex (``shard_levels`` directories of 256 entries each, so no directory grows huge).
-Each file is one frame (:mod:`hicache.storage.frame`), verified on every read.
+Each file is one frame (:mod:`hicache.storage.frame`), verified on every read. Names and the
+``pyarrow.fs`` path of one page's read, write and delete: :mod:`hicache.storage.file_pages`; local disks
+and mounts go through ``os`` instead (:mod:`hicache.storage.file_local_io`, pages read in pieces hashed
+as they land).
 
 Reads land straight in the host pages (page-first pools) and are verified there: only pages ``0..n-1``
-of a ``batch_get`` that returned ``n`` hold valid data. A local page is read in pieces of ``READ_CHUNK``
-(1 MiB), each fed to the page's checksum as soon as it lands, while it is still in the CPU's cache: the
-check costs no second pass over the page from memory.
+of a ``batch_get`` that returned ``n`` hold valid data.
 
 Atomic writes: a page is written to ``.<key hex>.<pid>.<random>.tmp`` in the same directory and renamed
 into place, so a reader sees the whole page or none of it, even when the writer dies between the write
@@ -24,68 +25,64 @@ deleted (not a frame of a newer release's format: a miss left in place,
 :class:`~hicache.storage.frame.NewerFormat`) -- but only the damaged file that was read: several nodes share
 the store, and one of them may have renamed a good copy into place since. The read notes the length and SHA1
 of what it read; the delete compares the file with that first. On a local disk or mount the file is first
-renamed aside to a private ``.<name>.<pid>.<random>.del.tmp`` (atomic, like the writers' renames), so
-whatever is compared is what gets deleted; a file that is not the one read goes back with a hard link, which
-never replaces a newer page written meanwhile (for the moment it is aside the page reads as a miss). Where
-the filesystem has no hard links it goes back by a rename when nothing took its place, a window of one
-``lstat``. Other stores (s3, gs, hdfs, a ``filesystem`` object) have no such rename through pyarrow.fs: the
-file is read again and deleted if it still matches, so a good page written between that read and the delete
-is lost (a later miss, never a wrong page). ``extra["corrupt_deleted"]`` counts the files actually deleted.
+renamed aside (atomic, like the writers' renames), so whatever is compared is what gets deleted, and a file
+that is not the one read goes back without replacing a newer page
+(:func:`~hicache.storage.file_local_io.delete_aside`). Other stores (s3, gs, hdfs, a ``filesystem``
+object) have no such rename through pyarrow.fs: the file is read again and deleted if it still matches, so a
+good page written between that read and the delete is lost (a later miss, never a wrong page).
+``extra["corrupt_deleted"]`` counts the files actually deleted.
 
 Size cap (``max_bytes``, 0 = none): the backend tracks the pages it knows of (scanned when opened, and
 again at most every ``rescan_s`` seconds during writes; plus its own writes; reads refresh a page) and,
 when the total passes the cap, deletes the oldest pages until it is below ``sweep_to`` of the cap. A
-rescan orders the pages by file time again, so it forgets what reads refreshed since.
+rescan orders the pages by file time again, so it forgets what reads refreshed since
+(:mod:`hicache.storage.file_index`).
 
 Options: ``max_bytes``, ``sweep_to`` (0.9), ``shard_levels`` (2), ``tmp_max_age_s`` (600),
 ``rescan_s`` (60), ``io_threads`` (0 = min(16, max(4, cpus)): pages of a read are fetched and verified
 in parallel, except on a local filesystem with pages under 256 KiB, and for one page, which run on the
 caller's thread), ``write_threads`` (0 = max(2, io_threads // 4): pages of a write, in parallel),
 ``write_nice`` (10: the write threads lower their own CPU priority by this much, on Linux; 0 = off),
-``filesystem`` (a ``pyarrow.fs.FileSystem`` object to use instead of resolving the
-URL; its path part is the root), ``delete_corrupt``
-(true). A store error (disk full, permission, network) is counted and reported as a miss / nothing
-written; it never raises into the caller.
+``filesystem`` (a ``pyarrow.fs.FileSystem`` object to use instead of resolving the URL; its path part is
+the root), ``delete_corrupt`` (true). A store error (disk full, permission, network) is counted and
+reported as a miss / nothing written; it never raises into the caller.
 
-Writes are background work (L2 -> L3 writeback) while reads sit on a request's path, so they run on
-separate threads: a small write pool whose threads yield the CPU to everything else (``write_nice``);
-local pages under 256 KiB are written on the calling thread (the writeback's own).
-Writing a page costs CPU (its checksum, the kernel's copy into the page cache); with as many writers as
-cores, a burst of writeback starved the thread that drives the GPU and slowed a prefill running beside
-it.
+Writes are background work (L2 -> L3 writeback) while reads sit on a request's path, so they run on a
+small pool of their own whose threads yield the CPU (``write_nice``): writing a page costs CPU (its
+checksum, the kernel's copy into the page cache), and with as many writers as cores a burst of writeback
+starved the thread that drives the GPU and slowed a prefill running beside it. Local pages under 256 KiB
+are written on the calling thread (the writeback's own).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
-import xxhash
 
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
-from hicache.storage.frame import (
-    HEADER_BYTES,
-    FrameError,
-    NewerFormat,
-    PageBuf,
-    encode_header,
-    header_of,
-    newer_format,
-    page_len,
-    page_parts,
-    payload_hasher,
-    unpack_page,
+from hicache.storage.file_index import PageIndex
+from hicache.storage.file_local_io import delete_aside, read_local, write_local
+from hicache.storage.file_pages import (
+    TMP_SUFFIX,
+    PageRead,
+    Seen,
+    page_path,
+    read_arrow,
+    resolve_store,
+    scan_store,
+    still_same,
+    temp_path,
+    write_arrow,
 )
+from hicache.storage.frame import HEADER_BYTES, PageBuf, page_len
 from hicache.storage.pageio import PageBuffers, page_buffers
 from hicache.storage.threads import check_nice, io_pool
 
@@ -93,57 +90,7 @@ log = logging.getLogger(__name__)
 
 OK, MISS, CORRUPT, ERROR = 0, 1, 2, 3
 _OBJECT_STORES = ("s3", "gs")
-PAGE_SUFFIX = ".page"
 INLINE_PAGE_BYTES = 256 << 10  # local pages smaller than this are read/written on the caller's thread
-TMP_SUFFIX = ".tmp"
-# A local page is read in pieces of this size, each hashed as soon as it lands: still in the CPU's cache
-# (L2 / a share of L3). One read then one hash of a whole 8 MiB page read it from memory a second time for
-# the checksum (issue #40, one EPYC core, 8 MiB pages: +21% CPU over the read alone; in 1 MiB pieces, +11%).
-READ_CHUNK = 1 << 20
-Seen = tuple[int, bytes]  # a damaged file as read: its length and SHA1 (hex)
-
-
-def _seen(*parts: bytes | bytearray | memoryview) -> Seen:
-    h = hashlib.sha1(usedforsecurity=False)
-    for p in parts:
-        h.update(p)
-    return sum(len(p) for p in parts), h.hexdigest().encode()
-
-
-def _seen_reader(read: Callable[[int], bytes]) -> Seen:
-    """:func:`_seen` of everything ``read`` returns from where it stands to the end."""
-    h = hashlib.sha1(usedforsecurity=False)
-    n = 0
-    while chunk := read(1 << 20):
-        h.update(chunk)
-        n += len(chunk)
-    return n, h.hexdigest().encode()
-
-
-def _read_hashing(fd: int, header: bytearray, dst: PageBuf, hasher: xxhash.xxh3_128) -> int:
-    """Read ``fd`` from where it stands into ``header`` and then ``dst``'s pieces, in pieces of at most
-    :data:`READ_CHUNK` bytes, feeding each piece of the payload to ``hasher`` as it lands; returns the
-    payload bytes read (fewer than ``page_len(dst)``: the file ended early; what was read is hashed)."""
-    got = 0
-    lead: list[bytearray] = [header]  # (read with the first piece: one syscall for a small page)
-    for part in page_parts(dst):
-        view = memoryview(part)
-        if view.ndim != 1 or view.itemsize != 1:
-            view = view.cast("B")
-        for off in range(0, len(view), READ_CHUNK):
-            piece = view[off:off + READ_CHUNK]
-            k = os.readv(fd, [*lead, piece])
-            if lead:
-                lead = []
-                k -= HEADER_BYTES
-                if k < 0:
-                    return 0
-            if k:
-                hasher.update(piece[:k])
-            got += k
-            if k < len(piece):
-                return got
-    return got
 
 
 @register_backend("file", "s3", "hdfs", "gs")
@@ -173,41 +120,20 @@ class FileBackend(StorageBackend):
                              f"got {write_threads}")
         check_nice("file store write_nice", write_nice)
         write_threads = write_threads or max(2, io_threads // 4)
-        scheme = urlparse(url).scheme
-        self.fs: pafs.FileSystem
-        if filesystem is not None:  # a pyarrow filesystem object supplied by the caller; the URL's path is the root
-            self.fs = filesystem
-            self.root = urlparse(url).path.rstrip("/") if scheme else url.rstrip("/")
-        elif scheme in ("", "file"):
-            host = urlparse(url).netloc
-            if scheme == "file" and host not in ("", "localhost"):
-                # file://relative/x would otherwise mean /x on this machine
-                raise ValueError(f"file store: {url!r} names host {host!r}; use file:///absolute/path")
-            path = urlparse(url).path if scheme == "file" else url
-            if not path:
-                raise ValueError(f"file store: no path in {url!r}")
-            self.fs = pafs.LocalFileSystem()
-            self.root = os.path.abspath(path)
-        else:
-            self.fs, self.root = pafs.FileSystem.from_uri(url)
-            self.root = self.root.rstrip("/")
-        self.atomic_rename = scheme not in _OBJECT_STORES
+        self.fs, self.root = resolve_store(url, filesystem)
+        self.atomic_rename = urlparse(url).scheme not in _OBJECT_STORES
         self.max_bytes = max_bytes
         self.sweep_to = sweep_to
         self.shard_levels = shard_levels
         self.delete_corrupt = delete_corrupt
         self.rescan_s = rescan_s
         self._page_bytes = ctx.layout.bytes_per_page
-        self._frame_bytes = HEADER_BYTES + self._page_bytes
         self._threads = io_threads
         self._pool = io_pool(io_threads, "hicache-file")
         self._write_threads = write_threads
         self._write_pool = io_pool(write_threads, "hicache-file-write", write_nice)
         self._dirs: set[str] = set()
-        self._index: OrderedDict[str, int] = OrderedDict()  # path -> bytes, oldest first
-        self._index_bytes = 0
-        self._index_lock = threading.Lock()
-        self._last_scan = 0.0
+        self._index = PageIndex()
         try:
             self.fs.create_dir(self.root, recursive=True)
             self._scan(tmp_max_age_s)
@@ -235,9 +161,7 @@ class FileBackend(StorageBackend):
 
     # ------------------------------------------------------------------ paths
     def path(self, key: bytes) -> str:
-        h = key.hex()
-        shards = [h[2 * i : 2 * i + 2] for i in range(self.shard_levels)]
-        return "/".join([self.root, *shards, h + PAGE_SUFFIX])
+        return page_path(self.root, self.shard_levels, key)
 
     def _ensure_dir(self, d: str) -> None:
         if not self.atomic_rename:  # object stores have no directories to create
@@ -249,64 +173,29 @@ class FileBackend(StorageBackend):
     # ------------------------------------------------------------------ index and sweeping
     def _scan(self, tmp_max_age_s: float | None = None) -> None:
         """Rebuild the index from the store (oldest first); remove stale temporary files."""
-        infos = self.fs.get_file_info(pafs.FileSelector(self.root, recursive=True, allow_not_found=True))
+        pages, temps = scan_store(self.fs, self.root)
         now = time.time()
-        pages: list[tuple[float, str, int]] = []
-        for fi in infos:
-            if fi.type != pafs.FileType.File:
-                continue
-            mtime = fi.mtime.timestamp() if fi.mtime is not None else 0.0
-            if fi.base_name.endswith(TMP_SUFFIX):
-                if tmp_max_age_s is not None and now - mtime >= tmp_max_age_s:
-                    self._delete_path(fi.path)
-            elif fi.base_name.endswith(PAGE_SUFFIX):
-                pages.append((mtime, fi.path, int(fi.size or 0)))
-        pages.sort()
-        with self._index_lock:
-            self._index = OrderedDict((p, s) for _, p, s in pages)
-            self._index_bytes = sum(s for _, _, s in pages)
-            self._last_scan = time.monotonic()
+        for mtime, p in temps:
+            if tmp_max_age_s is not None and now - mtime >= tmp_max_age_s:
+                self._delete_path(p)
+        self._index.replace((p, size) for _, p, size in pages)
 
     @property
     def stored_bytes(self) -> int:
         """Bytes of pages the backend knows of (what the size cap is applied to)."""
-        with self._index_lock:
-            return self._index_bytes
-
-    def _note(self, path: str, size: int) -> None:
-        with self._index_lock:
-            old = self._index.pop(path, None)
-            self._index_bytes += size - (old or 0)
-            self._index[path] = size
-
-    def _forget(self, path: str) -> None:
-        with self._index_lock:
-            old = self._index.pop(path, None)
-            if old is not None:
-                self._index_bytes -= old
-
-    def _touch(self, path: str) -> None:
-        with self._index_lock:
-            if path in self._index:
-                self._index.move_to_end(path)
+        return self._index.bytes
 
     def _sweep(self) -> None:
         if self.max_bytes <= 0:
             return
-        if self.rescan_s > 0 and time.monotonic() - self._last_scan > self.rescan_s:
+        if self.rescan_s > 0 and time.monotonic() - self._index.scanned_at > self.rescan_s:
             try:
                 self._scan()
             except OSError as e:
                 log.debug("file store: rescan failed: %s", e)
-        victims: list[str] = []
-        with self._index_lock:
-            if self._index_bytes <= self.max_bytes:
-                return
-            target = int(self.max_bytes * self.sweep_to)
-            while self._index and self._index_bytes > target:
-                p, s = self._index.popitem(last=False)
-                self._index_bytes -= s
-                victims.append(p)
+        victims = self._index.take_oldest(self.max_bytes, int(self.max_bytes * self.sweep_to))
+        if not victims:
+            return
         for p in victims:
             self._delete_path(p)
         self._count_extra("swept_pages", len(victims))
@@ -383,25 +272,12 @@ class FileBackend(StorageBackend):
     def _write_frame(self, d: str, key: bytes, final: str, header: bytes, payload: PageBuf) -> None:
         """Write one page's frame to ``final`` (in directory ``d``): through a temporary file renamed into
         place where renames are atomic, else in place."""
-        target = f"{d}/.{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}" if self.atomic_rename \
-            else final
+        target = temp_path(d, key.hex()) if self.atomic_rename else final
         try:
             if self._local:
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    if os.writev(fd, [header, *page_parts(payload)]) != HEADER_BYTES + page_len(payload):
-                        raise OSError(f"short write to {target}")
-                finally:
-                    os.close(fd)
-                if self.atomic_rename:
-                    os.rename(target, final)
+                write_local(target, final, header, payload)
             else:
-                with self.fs.open_output_stream(target) as out:
-                    out.write(header)
-                    for part in page_parts(payload):
-                        out.write(part)
-                if self.atomic_rename:
-                    self.fs.move(target, final)
+                write_arrow(self.fs, target, final, header, payload)
         except BaseException:
             if self.atomic_rename:
                 self._delete_path(target)
@@ -427,7 +303,7 @@ class FileBackend(StorageBackend):
                 self._dirs.discard(d)
                 self._ensure_dir(d)
                 self._write_frame(d, key, final, header, payload)
-            self._note(final, HEADER_BYTES + page_len(payload))
+            self._index.note(final, HEADER_BYTES + page_len(payload))
             stored[i] = page_len(payload)
             return OK
 
@@ -449,66 +325,19 @@ class FileBackend(StorageBackend):
         seen: list[Seen | None] = [None] * len(keys)  # damaged files as read, for the conditional delete
         stored = [self._page_bytes] * len(keys)  # payload bytes as read
 
-        def unpacked(i: int, blob: bytes | bytearray, dst: PageBuf) -> int:
-            """A compressed frame (smaller than a page's): verify and decode it into ``dst``."""
-            try:
-                unpack_page(blob, ns, keys[i], dst)
-            except NewerFormat:  # a newer release's page: a miss, left in place
-                return CORRUPT
-            except FrameError:
-                if keep:
-                    seen[i] = _seen(blob)
-                return CORRUPT
-            stored[i] = len(blob) - HEADER_BYTES
-            pio.commit(int(host_indices[i]), dst)
-            self._touch(self.path(keys[i]))
-            return OK
-
         def one(i: int) -> int:
             key, page = keys[i], int(host_indices[i])
             p = self.path(key)
             dst = pio.target(page)
-            header: bytes | bytearray
-            if self._local:
-                fd = os.open(p, os.O_RDONLY)
-                try:
-                    size = os.fstat(fd).st_size
-                    if HEADER_BYTES < size < self._frame_bytes:
-                        blob = bytearray(size)
-                        if os.readv(fd, [blob]) != size:
-                            return CORRUPT  # (the file changed under us; kept)
-                        return unpacked(i, blob, dst)
-                    if size != self._frame_bytes:
-                        if keep and not newer_format(os.pread(fd, HEADER_BYTES, 0)):
-                            seen[i] = _seen_reader(lambda k: os.read(fd, k))
-                        return CORRUPT
-                    header = bytearray(HEADER_BYTES)
-                    hasher = payload_hasher(ns, key)
-                    # each piece is hashed as it lands (still in the CPU's cache), not in a second pass
-                    got = _read_hashing(fd, header, dst, hasher)
-                    ok = got == self._page_bytes and header_of(hasher, ns, key, got) == header
-                finally:
-                    os.close(fd)
-            else:
-                with self.fs.open_input_file(p) as f:
-                    size = f.size()
-                    if HEADER_BYTES < size < self._frame_bytes:
-                        return unpacked(i, f.read(), dst)
-                    if size != self._frame_bytes:
-                        if keep and not newer_format(f.read_at(HEADER_BYTES, 0)):
-                            f.seek(0)
-                            seen[i] = _seen_reader(f.read)
-                        return CORRUPT
-                    header = f.read(HEADER_BYTES)
-                    got = sum(f.readinto(part) for part in page_parts(dst))
-                ok = got == self._page_bytes and encode_header(dst, ns, key) == header
-            if not ok:
-                if keep and got == self._page_bytes and not newer_format(header):  # (a short read: the file
-                    # changed under us; a newer format: another release's page; both kept)
-                    seen[i] = _seen(header, *page_parts(dst))
+            r: PageRead = (read_local(p, dst, ns, key, self._page_bytes, keep) if self._local
+                           else read_arrow(self.fs, p, dst, ns, key, self._page_bytes, keep))
+            if not r.ok:
+                seen[i] = r.seen
                 return CORRUPT
+            if r.stored:
+                stored[i] = r.stored
             pio.commit(page, dst)
-            self._touch(p)
+            self._index.touch(p)
             return OK
 
         res = self._map(one, len(keys))
@@ -533,7 +362,7 @@ class FileBackend(StorageBackend):
             p = self.path(k)
             if self._delete_path(p):
                 n += 1
-            self._forget(p)
+            self._index.forget(p)
         return n
 
     def _delete_damaged(self, damaged: list[tuple[bytes, Seen]]) -> int:
@@ -543,61 +372,21 @@ class FileBackend(StorageBackend):
         for key, seen in damaged:
             p = self.path(key)
             try:
-                gone = self._delete_aside(p, seen) if self._local else self._delete_if_same(p, seen)
+                gone = delete_aside(p, seen) if self._local else still_same(self.fs, p, seen) and self._delete_path(p)
             except OSError as e:
                 log.debug("file store: delete of damaged %s failed: %s", p, e)
                 gone = False
             if gone:
                 n += 1
-                self._forget(p)
+                self._index.forget(p)
         self._count_extra("corrupt_deleted", n)
         return n
-
-    @staticmethod
-    def _delete_aside(p: str, seen: Seen) -> bool:
-        """Local: rename ``p`` aside (atomic), delete it if it is what was read, else put it back."""
-        d, name = p.rsplit("/", 1)
-        aside = f"{d}/.{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.del{TMP_SUFFIX}"
-        try:
-            os.rename(p, aside)
-        except FileNotFoundError:  # gone already (another node deleted it)
-            return False
-        try:
-            with open(aside, "rb", buffering=0) as f:
-                same = _seen_reader(f.read) == seen
-        except OSError:
-            same = False
-        if same:
-            os.unlink(aside)
-            return True
-        try:
-            os.link(aside, p)  # back in place, unless a newer page took it: a link never replaces
-        except FileExistsError:
-            pass  # the newer page stays
-        except OSError:  # no hard links here: back by a rename, if nothing took its place
-            if not os.path.lexists(p):
-                os.rename(aside, p)
-                return False
-        os.unlink(aside)
-        return False
-
-    def _delete_if_same(self, p: str, seen: Seen) -> bool:
-        """Stores without an atomic rename aside: read ``p`` again, delete it if it still matches."""
-        try:
-            with self.fs.open_input_file(p) as f:
-                if _seen_reader(f.read) != seen:
-                    return False
-        except OSError:  # gone, or unreadable: leave it
-            return False
-        return self._delete_path(p)
 
     def clear(self) -> None:
         """Delete every page (and temporary file) under the root."""
         self.fs.delete_dir_contents(self.root, missing_dir_ok=True)
         self._dirs.clear()
-        with self._index_lock:
-            self._index.clear()
-            self._index_bytes = 0
+        self._index.clear()
 
     def close(self) -> None:
         self._write_pool.shutdown(wait=True)

@@ -38,7 +38,7 @@ from soakkit import Counters, PageModel
 
 from hicache.cache import CacheFullError, HiCache
 from hicache.config import config_from_dict
-from hicache.storage.file_backend import PAGE_SUFFIX
+from hicache.storage.file_pages import PAGE_SUFFIX
 from hicache.storage.frame import HEADER_BYTES, encode_frame
 
 PS = 4  # tokens per page

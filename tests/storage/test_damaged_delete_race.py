@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 
-from hicache.storage import StorageContext, file_backend, redis_damaged
+from hicache.storage import StorageContext, file_local_io, redis_damaged
 from hicache.storage.base import StorageBackend
 from hicache.storage.file_backend import FileBackend
 from hicache.storage.frame import HEADER_BYTES
@@ -317,9 +317,9 @@ def test_file_page_taken_aside_goes_back_without_replacing_a_newer_page(
                 assert other.batch_set(keys, src, [1]) == 1
             return open(path, *args, **kwargs)
 
-        monkeypatch.setattr(file_backend, "open", open_then_rewrite, raising=False)  # the backend's open only
+        monkeypatch.setattr(file_local_io, "open", open_then_rewrite, raising=False)  # the local path's open only
         assert reader.batch_get(keys, make_pool(1, seed=None), [0]) == 0
-        monkeypatch.delattr(file_backend, "open")
+        monkeypatch.delattr(file_local_io, "open")
         got = make_pool(1, seed=None)
         assert reader.batch_get(keys, got, [0]) == 1 and pages_equal(src, got, [1], [0])  # the newest stays
         assert reader.stats().extra.get("corrupt_deleted") == 0

@@ -231,9 +231,9 @@ def test_pages_read_in_pieces_are_verified_whole(tmp_path: Path, monkeypatch: py
     """A local page is read in READ_CHUNK pieces, each hashed as it lands: every page still comes back
     byte-exact and in order, and a byte flipped anywhere (header, first, middle or last piece) or a file cut
     short inside a piece is a counted miss."""
-    from hicache.storage import file_backend
+    from hicache.storage import file_backend, file_local_io
 
-    monkeypatch.setattr(file_backend, "READ_CHUNK", 96)  # 512 B pages: 6 pieces, the last one short
+    monkeypatch.setattr(file_local_io, "READ_CHUNK", 96)  # 512 B pages: 6 pieces, the last one short
     monkeypatch.setattr(file_backend, "INLINE_PAGE_BYTES", 0)  # through the read threads
     b = FileBackend(f"file://{tmp_path}", _ctx(), io_threads=2)
     n = 12
