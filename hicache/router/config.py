@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from hicache.client.address import PORT_RANGE, AddressError, normalize_address
 from hicache.config import ConfigError, HiCacheConfig, config_from_dict, token_problem
-from hicache.config_load import blame_env, coerce, env_overrides, merge, read_config_file
+from hicache.config_load import blame_env, coerce, env_overrides, merge, read_config_file, require
 from hicache.router.scoring import ScoringParams, policy_names
 
 INDEX_MODES = ("events", "approximate")
@@ -95,6 +95,7 @@ class RouterConfig:
     metrics_port: int = 0  # Prometheus /metrics (0: off)
     metrics_host: str = "127.0.0.1"  # /metrics binds here, not router.host: loopback unless Prometheus is elsewhere
     metrics_token: str = ""  # bearer token /metrics requires ("": none)
+    metrics_tls: bool = False  # serve /metrics over HTTPS with router.tls_cert / tls_key
     nodes: list[NodeSpec] = field(default_factory=list)
     policy: str = "cache_aware"
     index: str = "events"  # events: follow each node's WatchEvents | approximate: predict from the routes
@@ -171,6 +172,8 @@ class RouterConfig:
         self._check_kv_events()
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("router.tls_key: set together with router.tls_cert")
+        require(not self.metrics_tls or bool(self.tls_cert), "router.metrics_tls",
+                "set only with router.tls_cert and router.tls_key (the certificate it serves)", self.metrics_tls)
         try:
             _ = self.scoring
         except ValueError as e:

@@ -5,7 +5,8 @@
 health service (``""``: SERVING while up; ``hicache.v1.Router``: SERVING while at least one node is
 routable) and reflection; optional bearer tokens (every call but health's, checked before its request is read:
 :class:`~hicache.service.auth.AuthInterceptor`), TLS/mTLS and ``/metrics`` (on ``router.metrics_host``,
-loopback by default, behind ``router.metrics_token`` when set).
+loopback by default, behind ``router.metrics_token`` when set, over HTTPS with the router's certificate with
+``router.metrics_tls``).
 
 Tenants: with ``router.auth_tokens_file`` (the node's tokens-file format, :func:`~hicache.service.auth.
 load_tokens_file`) each token routes only for its tenants: a Route naming another tenant (``namespace.tenant``;
@@ -373,7 +374,9 @@ class RouterServer:
         if self.port == 0:
             raise OSError(f"route: cannot bind {addr}")
         if rc.metrics_port:
-            self._metrics_http = MetricsServer(self.registry, rc.metrics_host, rc.metrics_port, token=rc.metrics_token)
+            self._metrics_http = MetricsServer(self.registry, rc.metrics_host, rc.metrics_port, token=rc.metrics_token,
+                                               certfile=rc.tls_cert if rc.metrics_tls else "",
+                                               keyfile=rc.tls_key if rc.metrics_tls else "")
             self.metrics_port = self._metrics_http.port
         for f in self.feeds:
             f.start()

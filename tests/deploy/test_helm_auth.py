@@ -87,14 +87,22 @@ def test_a_metrics_token_comes_from_the_secret_and_the_servicemonitor_sends_it()
     assert "metrics-token" not in theirs.secret_data()
 
 
-def test_metrics_tls_serves_the_nodes_over_https_and_the_servicemonitor_trusts_the_ca() -> None:
+def test_metrics_tls_serves_the_nodes_over_https_and_the_servicemonitor_trusts_the_ca(tmp_path: Path) -> None:
     r = render({"tls": TLS, "metrics": {"tls": True, "serviceMonitor": SM}, "router": {"enabled": True}})
     validate(r)
     cfg = node_config(r)
     assert cfg.serve.metrics_tls and cfg.serve.tls_cert == "/etc/hicache/tls/tls.crt"
+    # the router has no certificate of its own in the chart (router.metrics_tls would need router.tls_cert,
+    # which would make its gRPC port TLS too): its /metrics stays HTTP, and the config it starts with says so
+    rc = router_config(r, tmp_path)
+    assert (rc.metrics_tls, rc.tls_cert, rc.metrics_port) == (False, "", 9401)
+    router_svc = r.get("Service", f"{RELEASE}-hicache-router")
+    assert {p["name"]: p["port"] for p in router_svc["spec"]["ports"]}["metrics"] == 9401
+    assert "prometheus.io/scheme" not in r.component("router")["spec"]["template"]["metadata"]["annotations"]
     (sm,) = r.kinds("ServiceMonitor")
     eps = {e["port"]: e for e in sm["spec"]["endpoints"]}
     assert set(eps) == {"metrics", "https-metrics"}  # the router's (HTTP), the nodes' (HTTPS)
+    assert "scheme" not in eps["metrics"] and "tlsConfig" not in eps["metrics"]
     assert eps["https-metrics"]["scheme"] == "https"
     assert eps["https-metrics"]["tlsConfig"] == {"ca": {"secret": {"name": "hicache-tls", "key": "ca.crt"}}}
     headless = r.get("Service", f"{RELEASE}-hicache-node-headless")

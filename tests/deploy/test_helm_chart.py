@@ -530,7 +530,7 @@ def test_router_values_match_router_defaults() -> None:
         assert defaults[k] == v, f"router.config.{k}"
     owned = {"host", "port", "metrics_port", "nodes", "node_token", "auth_token", "node_tls_ca", "node_client_cert",
              "node_client_key", "tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file", "metrics_host",
-             "metrics_token"}
+             "metrics_token", "metrics_tls"}
     schema = json.loads((CHART / "values.schema.json").read_text())
     props = schema["properties"]["router"]["properties"]["config"]["properties"]
     want = set(defaults) - owned
