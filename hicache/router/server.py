@@ -47,7 +47,7 @@ from hicache.router.config import RouterConfig
 from hicache.router.core import MAX_ID_BYTES, NoNodeError, RequestIdConflict, RouteDecision, Router
 from hicache.router.kv_event_feed import EngineFeed
 from hicache.router.node_feed import NodeFeed
-from hicache.service.auth import EVERYONE, Authenticator, AuthInterceptor, Principal, server_credentials
+from hicache.service.auth import Authenticator, AuthInterceptor, Principal, caller, server_credentials
 from hicache.service.decode import DecodeGuard
 from hicache.service.metrics_http import RPC_BUCKETS, MetricsServer
 from hicache.service.validation import NamespaceResolver, ServiceError, shown, token_bytes
@@ -221,12 +221,7 @@ class RouterServicer(rpb_grpc.RouterServicer):
         self._tag_key = secrets.token_bytes(32)
 
     def _who(self, context: Ctx) -> Principal:
-        if self.auth is None:
-            return EVERYONE
-        who = self.auth.principal(context.invocation_metadata())
-        if who is None:  # pragma: no cover - AuthInterceptor refuses such a call before any handler
-            raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        return who
+        return caller(self.auth, context.invocation_metadata())
 
     def _tag(self, who: Principal, route_id: str) -> str:
         mac = hmac.new(self._tag_key, f"{who.scope}\0{route_id}".encode(), hashlib.sha256)

@@ -29,7 +29,7 @@ from hicache.cache import HiCache, LoadResult, Request
 from hicache.config import ServeConfig
 from hicache.proto_gen.hicache.v1 import hicache_pb2 as pb
 from hicache.proto_gen.hicache.v1 import hicache_pb2_grpc as pb_grpc
-from hicache.service.auth import EVERYONE, Authenticator, Principal
+from hicache.service.auth import EVERYONE, Authenticator, Principal, caller
 from hicache.service.events import EventHub
 from hicache.service.metrics_http import ServiceMetrics
 from hicache.service.requests import DEFAULT_REQUEST_TTL_S, Entry, RequestTable
@@ -146,13 +146,8 @@ class ServicerBase(pb_grpc.HiCacheServicer):
         return sum(len(t) for t in self._tables.values())
 
     def _who(self, context: Ctx) -> Principal:
-        """The caller (see the module docstring); the interceptor has let only known tokens through."""
-        if self.auth is None:
-            return EVERYONE
-        who = self.auth.principal(context.invocation_metadata())
-        if who is None:  # pragma: no cover - AuthInterceptor refuses such a call before any handler
-            raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        return who
+        """The caller (see the module docstring)."""
+        return caller(self.auth, context.invocation_metadata())
 
     def _table(self, who: Principal) -> RequestTable:
         """The table of the caller's requests: ids are per token."""
