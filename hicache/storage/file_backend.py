@@ -82,7 +82,7 @@ from hicache.storage.file_pages import (
     temp_path,
     write_arrow,
 )
-from hicache.storage.frame import HEADER_BYTES, PageBuf, page_len
+from hicache.storage.frame import PageBuf, page_len
 from hicache.storage.pageio import PageBuffers, page_buffers
 from hicache.storage.threads import check_nice, io_pool
 
@@ -303,7 +303,7 @@ class FileBackend(StorageBackend):
                 self._dirs.discard(d)
                 self._ensure_dir(d)
                 self._write_frame(d, key, final, header, payload)
-            self._index.note(final, HEADER_BYTES + page_len(payload))
+            self._index.note(final, len(header) + page_len(payload))
             stored[i] = page_len(payload)
             return OK
 

@@ -29,12 +29,14 @@ import pyarrow.fs as pafs
 
 from hicache.storage.frame import (
     HEADER_BYTES,
+    PACKED_HEADER_BYTES,
     FrameError,
     NewerFormat,
     PageBuf,
     encode_header,
     newer_format,
     page_parts,
+    plain_header_len,
     unpack_page,
 )
 
@@ -123,14 +125,14 @@ def scan_store(fs: pafs.FileSystem, root: str) -> tuple[list[tuple[float, str, i
 
 
 def unpacked(blob: bytes | bytearray, dst: PageBuf, ns: bytes, key: bytes, keep: bool) -> PageRead:
-    """A compressed frame (shorter than a page's), verified and decoded into ``dst``."""
+    """A frame shorter than a plain one (a compressed page, or damage), verified and decoded into ``dst``."""
     try:
-        unpack_page(blob, ns, key, dst)
+        stored = unpack_page(blob, ns, key, dst)
     except NewerFormat:  # a newer release's page: a miss, left in place
         return KEPT
     except FrameError:
         return PageRead(seen=seen_of(blob)) if keep else KEPT
-    return PageRead(ok=True, stored=len(blob) - HEADER_BYTES)
+    return PageRead(ok=True, stored=stored)
 
 
 def unverified(header: bytes | bytearray, dst: PageBuf, got: int, page_bytes: int, keep: bool) -> PageRead:
@@ -144,19 +146,19 @@ def unverified(header: bytes | bytearray, dst: PageBuf, got: int, page_bytes: in
 def read_arrow(fs: pafs.FileSystem, p: str, dst: PageBuf, ns: bytes, key: bytes, page_bytes: int,
                keep: bool) -> PageRead:
     """Read page file ``p`` into ``dst`` and verify it."""
-    frame_bytes = HEADER_BYTES + page_bytes
     with fs.open_input_file(p) as f:
         size = f.size()
-        if HEADER_BYTES < size < frame_bytes:
+        hlen = plain_header_len(size, page_bytes)  # a page as it is (version 4, or 2 of an earlier release)
+        if hlen is None and PACKED_HEADER_BYTES < size < HEADER_BYTES + page_bytes:
             return unpacked(f.read(), dst, ns, key, keep)
-        if size != frame_bytes:
+        if hlen is None:
             if keep and not newer_format(f.read_at(HEADER_BYTES, 0)):
                 f.seek(0)
                 return PageRead(seen=seen_reader(f.read))
             return KEPT
-        header = f.read(HEADER_BYTES)
+        header = f.read(hlen)
         got = sum(f.readinto(part) for part in page_parts(dst))
-    if got == page_bytes and encode_header(dst, ns, key) == header:
+    if got == page_bytes and encode_header(dst, ns, key, hlen) == header:
         return VERIFIED
     return unverified(header, dst, got, page_bytes, keep)
 

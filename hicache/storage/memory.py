@@ -13,7 +13,7 @@ from typing import Any
 
 from hicache.pool import HostPool
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
-from hicache.storage.frame import HEADER_BYTES, FrameError, page_len, page_parts, unpack_page
+from hicache.storage.frame import FrameError, page_len, page_parts, unpack_page
 from hicache.storage.pageio import PageBuffers, page_buffers
 
 
@@ -49,13 +49,13 @@ class MemoryBackend(StorageBackend):
                 break
             dst = pio.target(int(page))
             try:
-                unpack_page(blob, self.ctx.namespace_digest, key, dst)
+                stored = unpack_page(blob, self.ctx.namespace_digest, key, dst)
             except FrameError:
                 self._count(corrupt_pages=1)
                 break
             pio.commit(int(page), dst)
             n += 1
-            self._count(bytes_read=pio.page_bytes, stored_bytes_read=len(blob) - HEADER_BYTES)
+            self._count(bytes_read=pio.page_bytes, stored_bytes_read=stored)
         self._count(gets=n, get_misses=len(keys) - n)
         return n
 

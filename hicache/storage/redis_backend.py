@@ -53,10 +53,12 @@ from hicache.storage import redis_damaged as damaged
 from hicache.storage.base import StorageBackend, StorageContext, register_backend
 from hicache.storage.frame import (
     HEADER_BYTES,
+    PACKED_HEADER_BYTES,
     FrameError,
     NewerFormat,
     PageBuf,
     encode_header,
+    header_len,
     newer_format,
     page_len,
     page_parts,
@@ -221,7 +223,7 @@ class RedisBackend(StorageBackend):
                     hd, pl = h[0].result()[h[1]]
                     size = stored[it.pos] = page_len(pl)
                     head = b"".join((lead, ask, nargs, b"$3\r\nSET\r\n", bulk_head(len(it.rkey)), it.rkey,
-                                     b"\r\n", bulk_head(size + HEADER_BYTES), hd))
+                                     b"\r\n", bulk_head(size + len(hd)), hd))
                     conn.send_packed_command([head, *page_parts(pl)], check_health=False)
                     lead = suffix
                 conn.send_packed_command([suffix], check_health=False)
@@ -327,13 +329,15 @@ class RedisBackend(StorageBackend):
                         continue
                     if n < 0:
                         continue
-                    if HEADER_BYTES < n < self._frame_bytes:  # a compressed page: decoded on the hash threads
+                    if PACKED_HEADER_BYTES < n < self._frame_bytes:
+                        # a compressed page, or a page of an earlier release (version 2): decoded on the
+                        # hash threads
                         blob = bytearray(n)
                         rd.readinto(memoryview(blob))
                         rd.expect_crlf()
                         dst = pio.target(it.page)
                         blobs[j] = (blob, dst)
-                        stored[it.pos] = n - HEADER_BYTES
+                        stored[it.pos] = n - header_len(blob)
                         packed.append((j, blob, dst, it.key))
                         if len(packed) * n >= 1 << 20:
                             checks.append(self._hasher.submit(self._unpack_group, packed))

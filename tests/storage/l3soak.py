@@ -39,7 +39,7 @@ from soakkit import Counters, PageModel
 from hicache.cache import CacheFullError, HiCache
 from hicache.config import config_from_dict
 from hicache.storage.file_pages import PAGE_SUFFIX
-from hicache.storage.frame import HEADER_BYTES, encode_frame
+from hicache.storage.frame import HEADER_BYTES, encode_frame, header_len
 
 PS = 4  # tokens per page
 LAYERS, HEADS, DIM = 2, 2, 4  # a page: [LAYERS, 2, PS, HEADS, DIM] float32 = 512 bytes
@@ -399,7 +399,7 @@ class Faults(abc.ABC):
                 return False
             self.replace(key, theirs)
         elif kind == "other_namespace":  # a valid frame of this very key and payload, but another model's
-            self.replace(key, encode_frame(blob[HEADER_BYTES:], self.foreign_ns, key))
+            self.replace(key, encode_frame(blob[header_len(blob):], self.foreign_ns, key))
         elif kind == "delete":
             self.remove(key)
         elif kind == "wrong_type":

@@ -25,6 +25,8 @@ from hicache.storage.frame import (
     FRAME_VERSION,
     HEADER_BYTES,
     MAGIC,
+    NEWEST_VERSION,
+    PACKED_HEADER_BYTES,
     PACKED_VERSION,
     FrameError,
     NewerFormat,
@@ -100,7 +102,7 @@ def test_kv_pages_are_stored_smaller_and_noise_as_it_is(codec: str) -> None:
     assert low == PAGE // 2 | 1 << 31 and high < PAGE // 2
     noise = np.random.default_rng(2).bytes(PAGE)
     header, payload = pack_page(memoryview(noise), NS, KEY, make_codec(codec), 2)
-    assert _HEADER.unpack(header)[1] == FRAME_VERSION and payload.obj is noise if isinstance(payload, memoryview) \
+    assert _HEADER.unpack_from(header)[1] == FRAME_VERSION and payload.obj is noise if isinstance(payload, memoryview) \
         else payload == noise
 
 
@@ -290,7 +292,7 @@ def test_file_store_size_cap_counts_stored_bytes(tmp_path: Path, open_backend) -
     src = kv_pool(10, 30)
     assert b.batch_set(page_keys(10, "cap"), src, list(range(10))) == 10
     on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.page"))
-    assert b.stored_bytes == on_disk == b.stats().stored_bytes_written + 10 * HEADER_BYTES
+    assert b.stored_bytes == on_disk == b.stats().stored_bytes_written + 10 * PACKED_HEADER_BYTES  # (all compressed)
     assert on_disk < 10 * (PAGE + HEADER_BYTES) * 0.9
 
 
@@ -407,8 +409,9 @@ def newer_frames(key: bytes) -> dict[str, bytes]:
     """Frames a newer release might write for ``key``: a later version (smaller than, as large as, or larger
     than a page's frame), and a version 3 frame of a codec this release does not have (stored bytes intact)."""
     def later(size: int) -> bytes:
-        head = _HEADER.pack(MAGIC, PACKED_VERSION + 1, 0, NS, key, size - HEADER_BYTES, bytes(32))
-        return head + bytes(range(256)) * ((size - HEADER_BYTES) // 256) + bytes((size - HEADER_BYTES) % 256)
+        head = _HEADER.pack(MAGIC, NEWEST_VERSION + 1, 0, NS, key, size - HEADER_BYTES, bytes(32))
+        rest = size - len(head)
+        return head + bytes(range(256)) * (rest // 256) + bytes(rest % 256)
 
     stored = make_codec("zstd").compress(memoryview(kv_like(PAGE, 9)), 2)
     assert stored is not None

@@ -248,7 +248,7 @@ def test_pages_read_in_pieces_are_verified_whole(tmp_path: Path, monkeypatch: py
     assert got == n and pages_equal(src, dst, list(range(n)), list(range(n)))
     assert b.stats().corrupt_pages == 0
     # damage: in the header's checksum, the first piece, a middle one, the last byte; then a file cut short
-    for k, at in zip(keys[1:5], [HEADER_BYTES - 20, HEADER_BYTES + 3, HEADER_BYTES + 250, FRAME - 1], strict=True):
+    for k, at in zip(keys[1:5], [HEADER_BYTES - 40, HEADER_BYTES + 3, HEADER_BYTES + 250, FRAME - 1], strict=True):
         with open(b.path(k), "r+b") as f:
             f.seek(at)
             byte = f.read(1)
