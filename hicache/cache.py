@@ -109,8 +109,15 @@ class HiCache(CacheAdmin):
         if req.released:
             raise ValueError("request already released")
 
-    def _page_keys(self, ns: Namespace, tb: bytes, keys: bool, l3: bool) -> list[bytes]:
-        return page_keys_from_bytes(ns.digest, tb, self.page_size) if keys or (l3 and self.storage is not None) else []
+    def _lookup(self, tokens: Sequence[int] | np.ndarray, ns: Namespace | None, keys: bool,
+                l3: bool) -> tuple[Namespace, bytes, list[bytes]]:
+        """A match's or peek's inputs: the namespace (checked), the full pages' tokens as bytes, and their
+        page keys (only when asked for or when the store will be asked)."""
+        ns = ns or self.ns
+        self._check_ns(ns)
+        tb = self._full_pages(tokens)
+        wanted = keys or (l3 and self.storage is not None)
+        return ns, tb, page_keys_from_bytes(ns.digest, tb, self.page_size) if wanted else []
 
     def _ask_store(self, req: Request, l3: bool) -> None:
         """How far the store continues the request's L1 + L2 hit (``req.l3_pages``), when asked."""
@@ -140,10 +147,7 @@ class HiCache(CacheAdmin):
         (:class:`hicache.accounting.L3Tally`).
         """
         t0 = time.perf_counter()
-        ns = ns or self.ns
-        self._check_ns(ns)
-        tb = self._full_pages(tokens)
-        pkeys = self._page_keys(ns, tb, keys, l3)
+        ns, tb, pkeys = self._lookup(tokens, ns, keys, l3)
         with self._lock:
             self._tiers.reap()
             self._note_tenant(ns)
@@ -179,10 +183,7 @@ class HiCache(CacheAdmin):
         Nor is it an access: recency, hit counts and the eviction policy's view of the request stream are
         left as they were (a router asking many times must not make a prefix look hot), and nothing is
         locked or pinned (the walk and the reading happen under one hold of the tree lock)."""
-        ns = ns or self.ns
-        self._check_ns(ns)
-        tb = self._full_pages(tokens)
-        pkeys = self._page_keys(ns, tb, keys, l3)
+        ns, tb, pkeys = self._lookup(tokens, ns, keys, l3)
         with self._lock:
             self._tiers.reap()
             m = self.tree.match(ns.digest, tb, touch=False)
