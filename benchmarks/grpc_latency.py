@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,25 +94,14 @@ def _client_proc(target: str, tokens: bytes, mode: str, clients: int, rate: floa
                 stream = c.match_stream() if mode == "stream" else None
                 call = stream.match if stream is not None else shared.match if shared is not None else c.match
                 await call(tokens, peek=True)
-                period = clients / rate if rate else 0.0
-                due = t_start + period * i / clients
-                while True:
-                    if period:
-                        due += period
-                        delay = due - pc()
-                        if delay > 0:
-                            await asyncio.sleep(delay)
-                    t0 = due if period else pc()
-                    if t0 >= end:
-                        break
-                    try:
-                        await call(tokens, peek=True)
-                    except Exception:
-                        errors += 1
-                        continue
-                    done = pc()
-                    lat.append(done - t0)
-                    last_done = max(last_done, done - t_start)
+
+                async def send() -> float:
+                    await call(tokens, peek=True)
+                    return pc()
+
+                e, done = await paced(send, i, clients, rate, t_start, end, lat)
+                errors += e
+                last_done = max(last_done, done)
                 if stream is not None:
                     await stream.close()
 
@@ -122,6 +112,36 @@ def _client_proc(target: str, tokens: bytes, mode: str, clients: int, rate: floa
         return lat, errors, last_done, cpu
 
     out.put(uvloop.run(main()))
+
+
+async def paced(send: Callable[[], Awaitable[float]], i: int, clients: int, rate: float, t_start: float,
+                end: float, lat: list[float]) -> tuple[int, float]:
+    """One client's loop until ``end`` (perf_counter seconds). Closed loop (``rate`` 0): send as soon as the
+    last reply came. Open loop: each of ``clients`` sends every ``clients / rate`` s, client ``i`` offset by
+    ``i / clients`` of that period from ``t_start``, and latency runs from the scheduled send (so a late
+    send counts its wait). ``send`` returns when the reply that ends the latency came. Appends latencies to
+    ``lat``; returns (errors, the last completion's offset from ``t_start``)."""
+    pc = time.perf_counter
+    period = clients / rate if rate else 0.0
+    due = t_start + period * (i / clients - 1)  # the first send at t_start + period * i / clients
+    errors, last = 0, 0.0
+    while True:
+        if period:
+            due += period
+            delay = due - pc()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        t0 = due if period else pc()
+        if t0 >= end:
+            break
+        try:
+            done = await send()
+        except Exception:
+            errors += 1
+            continue
+        lat.append(done - t0)
+        last = max(last, pc() - t_start)
+    return errors, last
 
 
 def proc_cpu_s(pid: int) -> float:

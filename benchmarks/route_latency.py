@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from grpc_latency import pct, proc_cpu_s  # noqa: E402
+from grpc_latency import paced, pct, proc_cpu_s  # noqa: E402
 
 PAGE = 64
 # a tiny layout: the router never sees KV bytes, and 8 nodes' pools must fit a small host
@@ -259,26 +259,16 @@ def _client_proc(target: str, payloads: list[bytes], phases: list[tuple[str, flo
 
         async def worker(i: int) -> None:
             nonlocal errors, last_done
-            period = clients / rate if rate else 0.0
-            due = t_start + period * (i / clients - 1)  # first send at t_start + period * i / clients
             k = i * 7919  # each client walks the pool from its own place
-            while True:
-                if period:
-                    due += period
-                    delay = due - pc()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                t0 = due if period else pc()
-                if t0 >= end:
-                    break
+
+            async def send() -> float:
+                nonlocal k
                 k += 1
-                try:
-                    done = await one(payloads[k % len(payloads)])
-                except Exception:
-                    errors += 1
-                    continue
-                lat.append(done - t0)
-                last_done = max(last_done, pc() - t_start)
+                return await one(payloads[k % len(payloads)])
+
+            e, done = await paced(send, i, clients, rate, t_start, end, lat)
+            errors += e
+            last_done = max(last_done, done)
 
         await asyncio.gather(*(worker(i) for i in range(clients)))
         return {"lat": lat, "errors": errors, "elapsed": max(seconds, last_done),
