@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from cli_procs import free_port
 from router_helpers import node_config
+from service.test_metrics_endpoint import get
 from service.test_security import make_pki
 
 from hicache.cli import main as cli_main
@@ -25,15 +26,6 @@ from hicache.router.server import RouterServer
 
 NEEDS_OPENSSL = pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
                                    reason="needs the openssl command")
-
-
-def get(url: str, token: str = "", context: ssl.SSLContext | None = None) -> tuple[int, str]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with urllib.request.urlopen(req, timeout=5, context=context) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, ""
 
 
 @NEEDS_OPENSSL
