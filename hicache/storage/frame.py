@@ -15,8 +15,8 @@ Layout (little-endian)::
 
 A page as it is is written as a version 4 frame: its header is padded to 128 bytes, so the payload starts
 at a 64-byte aligned offset in a page file, as the host pool's pages are aligned in memory (the kernel's
-copy out of the page cache runs at a third less CPU when source and destination agree mod 64: 0.71
-against 1.05 ms an 8 MiB page). The pad is checked: a non-zero byte there is damage. Version 2 frames
+copy out of the page cache costs less CPU when source and destination agree mod 64; figures in
+benchmarks/results/cpu/README.md). The pad is checked: a non-zero byte there is damage. Version 2 frames
 (the same page, a 112-byte header, written by earlier releases) are still read and verified the same way;
 this release does not write them. A release before version 4 reads a version 4 frame as a later version
 (below): a miss it leaves in place.
