@@ -72,17 +72,22 @@ class Shadow:
         self.trim(capacity)
 
     def access(self, path: list[int], capacity: int) -> int:
-        """``hits(path)``, then ``serve(path, capacity)``, in one pass. ``path``'s hashes must be distinct:
-        the leading run held is then up to the root-most page found missing (the pass goes leaf first)."""
+        """``hits(path)``, then ``serve(path, capacity)``, in one pass (leaf first): the leading run held
+        ends at the root-most page that was missing before the pass. A hash seen twice in ``path`` (a crc32
+        collision) that the pass itself brought in still counts as missing."""
         pages = self.pages
         move = pages.move_to_end
-        last = None  # the root-most page missing
+        last = None  # the root-most page missing before the pass
+        added: set[int] = set()
         if self.share is None:
             for h in reversed(path):
                 if h in pages:
                     move(h)
+                    if h in added:
+                        last = h
                 else:
                     pages[h] = None
+                    added.add(h)
                     last = h
         else:
             prob, ghost = self.probation, self.ghost
@@ -91,13 +96,17 @@ class Shadow:
                     move(h)
                     if h in prob:
                         del prob[h]
+                    if h in added:
+                        last = h
                 elif h in ghost:
                     pages[h] = None
                     del ghost[h]
+                    added.add(h)
                     last = h
                 else:
                     pages[h] = None
                     prob[h] = None
+                    added.add(h)
                     last = h
         if last is None:  # all held
             if len(pages) > capacity or len(self.ghost) > capacity:
@@ -253,20 +262,11 @@ class HedgeLRU(EvictionPolicy):
             return
         cap = max(1, self.peak // self.rate)
         keep, score, spread = self.keep, self.score, self.spread
-        if len(set(path)) == len(path):  # one pass per order (a crc32 collision in the path: two)
-            base = self.lru.access(path, cap)
-            for i, sh in enumerate(self.shadows):
-                d = sh.access(path, cap) - base
-                score[i] = score[i] * keep + d
-                spread[i] = spread[i] * keep + d * d
-        else:
-            base = self.lru.hits(path)
-            self.lru.serve(path, cap)
-            for i, sh in enumerate(self.shadows):
-                d = sh.hits(path) - base
-                sh.serve(path, cap)
-                score[i] = score[i] * keep + d
-                spread[i] = spread[i] * keep + d * d
+        base = self.lru.access(path, cap)
+        for i, sh in enumerate(self.shadows):
+            d = sh.access(path, cap) - base
+            score[i] = score[i] * keep + d
+            spread[i] = spread[i] * keep + d * d
         lead = self.leader
         if lead is not None and self.score[lead] <= 0.0:
             lead = None
