@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -73,3 +73,22 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._entries))
+
+
+def lazy_exports(package: str, exports: Mapping[str, str], namespace: dict[str, Any]
+                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's :pep:`562` ``__getattr__`` and ``__dir__``: each name of ``exports`` (name -> module) is
+    imported on first use and then kept in ``namespace`` (the package's ``globals()``)."""
+
+    def getattr_(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    def dir_() -> list[str]:
+        return sorted([*namespace, *exports])
+
+    return getattr_, dir_

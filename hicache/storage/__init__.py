@@ -7,8 +7,9 @@ The names below are loaded on first use (:pep:`562`), and the backends on first 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hicache.registry import lazy_exports
 
 _EXPORTS = {
     "StorageBackend": "hicache.storage.base",
@@ -24,14 +25,4 @@ if TYPE_CHECKING:
     from hicache.storage.base import StorageBackend, StorageContext, StorageStats, create_backend, register_backend
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hicache.storage' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
