@@ -1,14 +1,13 @@
 """The file store's fast path for local disks and mounts: a page's file read, written and deleted through
-``os`` (one ``readv`` / ``writev`` per page, straight into / out of the host pages), the same files and
-results as the ``pyarrow.fs`` path (:mod:`hicache.storage.file_pages`).
+``os`` (``readv`` / ``writev`` straight into / out of the host pages), the same files and results as the
+``pyarrow.fs`` path (:mod:`hicache.storage.file_pages`).
 
 Reads: a page is read in pieces of :data:`READ_CHUNK`, each fed to the page's checksum as soon as it
-lands, while it is still in the CPU's cache (L2 / a share of L3): verifying costs no second pass over the
-page from memory. (Issue #40, one EPYC core, 8 MiB pages: one read then one hash of the whole page cost
-+21% CPU over the read alone; in 1 MiB pieces, +11%.) A page written by this release (a version 4 frame)
-starts at file offset 128, 64-byte aligned as the host pool's pages are: the kernel's copy out of the page
-cache costs about a third less CPU than from the 112-byte header's offset of a version 2 frame (still read,
-its header read as 112 bytes).
+lands, while it is still in the CPU's cache: verifying costs no second pass over the page from memory. A
+page written by this release (a version 4 frame) starts at file offset 128, 64-byte aligned as the host
+pool's pages are, which makes the kernel's copy out of the page cache cheaper than from the 112-byte
+header's offset of a version 2 frame (still read, its header read as 112 bytes). Figures:
+``benchmarks/results/cpu/README.md``.
 
 Writes: the frame goes to ``target`` and is renamed to ``final`` (atomic), so a reader sees the whole page
 or none of it.
